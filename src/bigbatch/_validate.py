@@ -1,0 +1,117 @@
+"""Input checks shared by every loss. Each error names the argument and what was expected."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from .backends.base import compute_dtype
+
+FEATURE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+REDUCTIONS = ("mean", "sum", "none")
+
+ScaleArg = Union[float, Tensor]
+
+
+def check_features(name: str, x: object) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape (batch, dim), got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (batch, dim), got shape {tuple(x.shape)}")
+    if x.dtype not in FEATURE_DTYPES:
+        raise TypeError(
+            f"{name} must have a floating dtype among float16, bfloat16, float32, float64; got {x.dtype}"
+        )
+    if x.shape[0] == 0:
+        raise ValueError(f"{name} must have at least one row (an empty batch has no loss), got shape {tuple(x.shape)}")
+    if x.shape[1] == 0:
+        raise ValueError(f"{name} must have at least one feature column, got shape {tuple(x.shape)}")
+    return x
+
+
+def check_pair(q_name: str, q: Tensor, k_name: str, k: Tensor, *, same_rows: bool) -> None:
+    """Validate two feature matrices that are multiplied together."""
+    check_features(q_name, q)
+    check_features(k_name, k)
+    if q.device != k.device:
+        raise ValueError(f"{q_name} and {k_name} must be on the same device, got {q.device} and {k.device}")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"{q_name} and {k_name} must have the same feature dimension, got {q.shape[1]} and {k.shape[1]}"
+        )
+    if q.dtype != k.dtype:
+        raise TypeError(f"{q_name} and {k_name} must have the same dtype, got {q.dtype} and {k.dtype}")
+    if same_rows and q.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"{q_name} and {k_name} must have the same batch size (row i of one is the positive of "
+            f"row i of the other), got {q.shape[0]} and {k.shape[0]}"
+        )
+
+
+def prepare_scalar(name: str, value: object, like: Tensor) -> Tensor:
+    """A python number or 1-element floating tensor -> 0-d tensor in the compute dtype on like's device.
+
+    The conversion is differentiable, so a parameter (e.g. ``logit_scale.exp()``) gets its gradient.
+    A 0-d tensor on the CPU is accepted with CUDA features, as torch does for scalars.
+    """
+    ct = compute_dtype(like.dtype)
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, Tensor)):
+        raise TypeError(f"{name} must be a float or a 0-d floating tensor, got {type(value).__name__}")
+    if isinstance(value, numbers.Real):
+        if not math.isfinite(float(value)):
+            raise ValueError(f"{name} must be finite, got {value!r}")
+        return torch.tensor(float(value), dtype=ct, device=like.device)
+    if value.numel() != 1 or value.dim() > 1:
+        raise ValueError(f"{name} must be a scalar (0-d or 1-element tensor), got shape {tuple(value.shape)}")
+    if not value.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got dtype {value.dtype}")
+    if value.device != like.device and not (value.device.type == "cpu" and value.dim() == 0):
+        raise ValueError(f"{name} must be on the features' device {like.device}, got {value.device}")
+    return value.reshape(()).to(device=like.device, dtype=ct)
+
+
+def check_labels(labels: object, b: int, n: int, device: torch.device, *, name: str = "labels") -> Tensor:
+    """Integer tensor of shape (b,) with values in [0, n). Reading the range costs one sync."""
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of integer class indices, got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"{name} must have an integer dtype (e.g. torch.long), got {labels.dtype}")
+    if labels.shape != (b,):
+        raise ValueError(f"{name} must have shape ({b},) (one positive key per query), got {tuple(labels.shape)}")
+    if labels.device != device:
+        raise ValueError(f"{name} must be on the features' device {device}, got {labels.device}")
+    lo, hi = int(labels.min()), int(labels.max())
+    if lo < 0 or hi >= n:
+        raise ValueError(f"{name} must index keys in [0, {n}), got values in [{lo}, {hi}]")
+    return labels.long()
+
+
+def check_reduction(reduction: object) -> str:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    return reduction  # type: ignore[return-value]
+
+
+def reduce(per_row: Tensor, reduction: str) -> Tensor:
+    if reduction == "mean":
+        return per_row.mean()
+    if reduction == "sum":
+        return per_row.sum()
+    return per_row
+
+
+def check_group(group: object) -> Optional[object]:
+    """``None`` (no communication) or an initialised torch.distributed process group."""
+    if group is None:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("group was given but torch.distributed is not initialised (call init_process_group first)")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    return group

@@ -1,0 +1,76 @@
+"""The small interface every tile backend implements.
+
+A backend computes, for one block of queries ``q`` (B x D) against one block of
+keys ``k`` (N x D) with logits ``S = s * q @ k.T``, the two quantities every
+softmax loss in bigbatch is built from:
+
+* ``lse``: the row log-sum-exp ``log sum_j exp(S_ij)`` (B floats) and/or the
+  column log-sum-exp ``log sum_i exp(S_ij)`` (N floats), from ONE pass over the
+  tiles of S. Partial results over different key (or query) blocks merge with
+  ``torch.logaddexp``, which is what the ring across ranks does.
+* ``lse_grad``: given the (global) statistics and the incoming gradients
+  ``g_row`` (B) / ``g_col`` (N) of the log-sum-exps, with
+  ``dS_ij = g_row_i * exp(S_ij - lse_row_i) + g_col_j * exp(S_ij - lse_col_j)``
+  (the gradient of ``sum_i g_row_i lse_row_i + sum_j g_col_j lse_col_j`` w.r.t. S):
+  ``dq = s * dS @ k``, ``dk = s * dS.T @ q`` and
+  ``d_scale = sum_ij dS_ij (q k^T)_ij`` (which equals ``sum_i q_i . (dS @ k)_i``).
+
+The positive logits ``S_{i, y_i}`` are O(B*D) and are left to plain autograd in
+the caller. A backend knows nothing of ranks, labels or reductions.
+
+Conventions shared by all backends:
+* ``scale`` is a 0-d tensor in the compute dtype on the features' device (no
+  host synchronisation is needed to read it).
+* Statistics are returned in the compute dtype: float32 for float16/bfloat16/
+  float32 inputs, float64 for float64 inputs; accumulation is in that dtype too.
+* No B x N tensor is ever allocated; workspace is bounded by the tile size.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol, Tuple, runtime_checkable
+
+import torch
+from torch import Tensor
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype for features of ``dtype``: fp32, or fp64 for fp64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@runtime_checkable
+class TileBackend(Protocol):
+    """What the autograd Functions and the ring need from a backend."""
+
+    name: str
+
+    def supports(self, device: torch.device) -> bool:
+        """Whether this backend can run on ``device``."""
+        ...
+
+    def lse(
+        self, q: Tensor, k: Tensor, scale: Tensor, *, rows: bool, cols: bool
+    ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """Row LSE (B,) if ``rows`` and column LSE (N,) if ``cols`` of ``scale * q @ k.T``."""
+        ...
+
+    def lse_grad(
+        self,
+        q: Tensor,
+        k: Tensor,
+        scale: Tensor,
+        lse_row: Optional[Tensor],
+        lse_col: Optional[Tensor],
+        g_row: Optional[Tensor],
+        g_col: Optional[Tensor],
+        *,
+        grad_dtype: Optional[torch.dtype] = None,
+    ) -> Tuple[Tensor, Tensor, Tensor]:
+        """``(dq, dk, d_scale)``.
+
+        ``dq``/``dk`` are in ``grad_dtype`` (default: the inputs' dtype; the ring asks for the
+        compute dtype to accumulate partials over key blocks); ``d_scale`` is a 0-d tensor in the
+        compute dtype. A direction whose ``lse`` or ``g`` is ``None`` contributes nothing.
+        """
+        ...

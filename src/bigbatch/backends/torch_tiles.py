@@ -1,0 +1,110 @@
+"""Pure-PyTorch tile backend: runs on any device and is the reference for the kernels.
+
+Memory: the only workspace is one ``tile_rows x tile_cols`` block of logits (and its
+exponentials) in the compute dtype, plus O(B + N) statistics. FLOPs: ``lse`` is one
+pass over the tiles (2*B*N*D); ``lse_grad`` recomputes each tile once and forms both
+``dS @ k`` and ``dS.T @ q`` from it (6*B*N*D).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .base import compute_dtype
+
+# Elements of one logits tile chosen automatically: 64 MiB of fp32 on a GPU (big
+# matmuls, few launches), 4 MiB on a CPU (stays in cache, bounded RSS).
+_AUTO_TILE_ELEMENTS = {"cuda": 1 << 24, "cpu": 1 << 20}
+
+
+def auto_tile(b: int, n: int, device: torch.device) -> Tuple[int, int]:
+    """A near-square tile of at most ``_AUTO_TILE_ELEMENTS`` logits, clipped to the problem."""
+    budget = _AUTO_TILE_ELEMENTS.get(device.type, 1 << 22)
+    side = math.isqrt(budget)
+    rows = max(1, min(b, side))
+    cols = max(1, min(n, budget // rows))
+    return rows, cols
+
+
+def _blocks(total: int, size: int) -> Iterator[slice]:
+    for start in range(0, total, size):
+        yield slice(start, min(start + size, total))
+
+
+@dataclass(frozen=True)
+class TorchTiles:
+    """Tiled log-sum-exp statistics and gradients with ordinary torch ops.
+
+    ``tile_rows`` / ``tile_cols`` fix the tile shape (they need not divide the
+    batch); ``None`` picks it from B, N and the device.
+    """
+
+    tile_rows: Optional[int] = None
+    tile_cols: Optional[int] = None
+    name: str = "torch"
+
+    def __post_init__(self) -> None:
+        for arg in ("tile_rows", "tile_cols"):
+            value = getattr(self, arg)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"TorchTiles: {arg} must be a positive int or None, got {value!r}")
+
+    def supports(self, device: torch.device) -> bool:
+        return True
+
+    def _tiles(self, b: int, n: int, device: torch.device) -> Tuple[int, int]:
+        rows, cols = auto_tile(b, n, device)
+        return self.tile_rows or rows, self.tile_cols or cols
+
+    def lse(self, q: Tensor, k: Tensor, scale: Tensor, *, rows: bool, cols: bool):
+        ct = compute_dtype(q.dtype)
+        b, n = q.shape[0], k.shape[0]
+        tr, tc = self._tiles(b, n, q.device)
+        lse_row = q.new_full((b,), -math.inf, dtype=ct) if rows else None
+        lse_col = q.new_full((n,), -math.inf, dtype=ct) if cols else None
+        for rs in _blocks(b, tr):
+            qi = q[rs].to(ct)
+            for cs in _blocks(n, tc):
+                s_tile = torch.mm(qi, k[cs].to(ct).t()).mul_(scale)
+                # Both directions from the same tile; partials merge by logaddexp.
+                if rows:
+                    lse_row[rs] = torch.logaddexp(lse_row[rs], torch.logsumexp(s_tile, dim=1))
+                if cols:
+                    lse_col[cs] = torch.logaddexp(lse_col[cs], torch.logsumexp(s_tile, dim=0))
+        return lse_row, lse_col
+
+    def lse_grad(self, q, k, scale, lse_row, lse_col, g_row, g_col, *, grad_dtype=None):
+        ct = compute_dtype(q.dtype)
+        grad_dtype = grad_dtype or q.dtype
+        use_rows = lse_row is not None and g_row is not None
+        use_cols = lse_col is not None and g_col is not None
+        dq = torch.zeros(q.shape, dtype=ct, device=q.device)
+        dk = torch.zeros(k.shape, dtype=ct, device=k.device)
+        if use_rows or use_cols:
+            self._accumulate_grad(q, k, scale, lse_row, lse_col, g_row, g_col, dq, dk, use_rows, use_cols)
+        # d_scale = sum_i q_i . (dS @ k)_i, from the unscaled dq: O(B*D), no extra tile pass.
+        d_scale = torch.dot(q.reshape(-1).to(ct), dq.reshape(-1))
+        return dq.mul_(scale).to(grad_dtype), dk.mul_(scale).to(grad_dtype), d_scale
+
+    def _accumulate_grad(self, q, k, scale, lse_row, lse_col, g_row, g_col, dq, dk, use_rows, use_cols):
+        """dq += dS @ k and dk += dS.T @ q (unscaled), recomputing each tile once."""
+        ct = dq.dtype
+        tr, tc = self._tiles(q.shape[0], k.shape[0], q.device)
+        for rs in _blocks(q.shape[0], tr):
+            qi = q[rs].to(ct)
+            for cs in _blocks(k.shape[0], tc):
+                kj = k[cs].to(ct)
+                s_tile = torch.mm(qi, kj.t()).mul_(scale)
+                ds = None
+                if use_rows:
+                    ds = torch.exp(s_tile - lse_row[rs, None]).mul_(g_row[rs, None].to(ct))
+                if use_cols:
+                    p_col = torch.exp(s_tile - lse_col[None, cs]).mul_(g_col[None, cs].to(ct))
+                    ds = p_col if ds is None else ds.add_(p_col)
+                dq[rs].addmm_(ds, kj)
+                dk[cs].addmm_(ds.t(), qi)

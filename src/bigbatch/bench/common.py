@@ -1,0 +1,114 @@
+"""Shared measurement helpers for the benchmarks: CUDA-event medians, peak extra memory,
+the GPU's matmul rate measured in the same run, out-of-memory recorded as a result,
+and JSON output that names the hardware."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+
+def hardware() -> Dict[str, Any]:
+    """What ran the benchmark: GPU model and count, library versions, CPU."""
+    info: Dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_count"] = torch.cuda.device_count()
+        info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def cuda_time_ms(fn: Callable[[], Any], *, warmup: int = 1, repeat: int = 3) -> List[float]:
+    """Per-call times in ms with CUDA events, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def wall_time_ms(fn: Callable[[], Any], *, warmup: int = 1, repeat: int = 3) -> List[float]:
+    """Per-call wall-clock times in ms (CPU benchmarks; synchronises CUDA if present)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def matmul_tflops(dtype: torch.dtype = torch.bfloat16, n: int = 8192, repeat: int = 10) -> float:
+    """Measured dense matmul rate (TFLOP/s) of an n x n x n product on random data."""
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    ms = statistics.median(cuda_time_ms(lambda: a @ b, warmup=3, repeat=repeat))
+    del a, b
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def measure(
+    fn: Callable[[], Any], *, warmup: int = 1, repeat: int = 3, baseline_bytes: Optional[int] = None
+) -> Dict[str, Any]:
+    """Run ``fn`` on CUDA: median time (ms), all times, and peak memory above the live memory
+    before the call (``extra_gib``). Out-of-memory is returned as ``{"status": "oom"}``."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated() if baseline_bytes is None else baseline_bytes
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        times = cuda_time_ms(fn, warmup=warmup, repeat=repeat)
+    except torch.cuda.OutOfMemoryError as exc:
+        gc.collect()
+        torch.cuda.empty_cache()
+        return {"status": "oom", "error": str(exc).splitlines()[0]}
+    peak = torch.cuda.max_memory_allocated()
+    return {
+        "status": "ok",
+        "median_ms": statistics.median(times),
+        "times_ms": times,
+        "extra_gib": (peak - base) / 2**30,
+    }
+
+
+def write_json(path: os.PathLike, payload: Dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True))
+    tmp.replace(path)
+    return path

@@ -1,0 +1,117 @@
+"""The losses: validate the inputs, pick a backend, assemble the loss from tiled statistics.
+
+Every softmax loss is ``LSE - positive logit``: the LSE part comes from
+:class:`~bigbatch.tiled_lse.TiledLSE` (tiles, never a B x N tensor), the positive
+logits ``S_{i, y_i}`` from O(B*D) autograd ops here.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import reference
+from ._validate import (
+    ScaleArg,
+    check_group,
+    check_labels,
+    check_pair,
+    check_reduction,
+    prepare_scalar,
+    reduce,
+)
+from .backends import BackendArg, resolve_backend
+from .tiled_lse import tiled_lse
+
+
+def positive_logits(q: Tensor, k_pos: Tensor, scale: Tensor) -> Tensor:
+    """``scale * <q_i, k_pos_i>`` per row, in the compute dtype of ``scale``."""
+    return scale * (q.to(scale.dtype) * k_pos.to(scale.dtype)).sum(dim=-1)
+
+
+def clip_loss(
+    image_features: Tensor,
+    text_features: Tensor,
+    scale: ScaleArg,
+    *,
+    group=None,
+    backend: BackendArg = "auto",
+) -> Tensor:
+    """Symmetric CLIP loss ``(CE(S) + CE(S.T)) / 2`` with ``S = scale * image @ text.T``.
+
+    Args:
+        image_features: (B, D) float16/bfloat16/float32/float64.
+        text_features: (B, D), same dtype and device; row i is the positive of image row i.
+        scale: the logit multiplier (e.g. ``model.logit_scale.exp()``), a float or 0-d tensor;
+            it receives a gradient when it requires one.
+        group: ``None`` (the local batch is the whole batch) or a process group whose ranks
+            each hold a shard of the global batch (see :mod:`bigbatch.distributed`).
+        backend: ``"auto"``, ``"reference"``, ``"torch"``, ``"triton"`` or a backend object.
+
+    Returns:
+        The scalar loss in float32 (float64 for float64 inputs). Both directions' statistics come
+        from one pass over the tiles; memory beyond the inputs is O(B) plus one tile.
+    """
+    check_pair("image_features", image_features, "text_features", text_features, same_rows=group is None)
+    group = check_group(group)
+    s = prepare_scalar("scale", scale, image_features)
+    impl = resolve_backend(backend, image_features.device)
+    if group is not None:
+        from .distributed import ring_clip_loss
+
+        return ring_clip_loss(image_features, text_features, s, group=group, backend=impl)
+    if impl == "reference":
+        return reference.clip_loss(image_features, text_features, s)
+    lse_row, lse_col = tiled_lse(image_features, text_features, s, impl, rows=True, cols=True)
+    pos = positive_logits(image_features, text_features, s)
+    return 0.5 * (lse_row.mean() + lse_col.mean()) - pos.mean()
+
+
+def infonce_loss(
+    queries: Tensor,
+    keys: Tensor,
+    scale: ScaleArg,
+    *,
+    labels: Optional[Tensor] = None,
+    reduction: str = "mean",
+    group=None,
+    backend: BackendArg = "auto",
+) -> Tensor:
+    """One-directional InfoNCE: ``LSE_j(S_ij) - S_{i, labels_i}`` with ``S = scale * queries @ keys.T``.
+
+    Args:
+        queries: (B, D) features.
+        keys: (N, D) features, N >= 1; extra rows beyond the positives act as hard/extra negatives.
+        scale: the logit multiplier, a float or 0-d tensor (gets a gradient when it requires one).
+        labels: (B,) integer index of each query's positive key; default ``arange(B)`` (needs N >= B).
+            With ``group``, labels index the global key set (keys of all ranks, in rank order).
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-query losses, shape (B,)).
+        group: ``None`` or a process group (each rank holds a shard of queries and keys).
+        backend: ``"auto"``, ``"reference"``, ``"torch"``, ``"triton"`` or a backend object.
+    """
+    check_pair("queries", queries, "keys", keys, same_rows=False)
+    reduction = check_reduction(reduction)
+    group = check_group(group)
+    s = prepare_scalar("scale", scale, queries)
+    impl = resolve_backend(backend, queries.device)
+    if group is not None:
+        from .distributed import ring_infonce_loss
+
+        return ring_infonce_loss(queries, keys, s, labels=labels, reduction=reduction, group=group, backend=impl)
+    b, n = queries.shape[0], keys.shape[0]
+    if labels is None:
+        if n < b:
+            raise ValueError(
+                f"labels=None pairs query i with key i, so keys needs at least as many rows as queries "
+                f"({b}), got {n}; pass labels to choose the positives"
+            )
+        labels = torch.arange(b, device=queries.device)
+    else:
+        labels = check_labels(labels, b, n, queries.device)
+    if impl == "reference":
+        return reduce(reference.infonce_per_row(queries, keys, s, labels), reduction)
+    lse_row, _ = tiled_lse(queries, keys, s, impl, rows=True, cols=False)
+    per_row = lse_row - positive_logits(queries, keys.index_select(0, labels), s)
+    return reduce(per_row, reduction)
