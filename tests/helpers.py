@@ -1,0 +1,30 @@
+"""Assertions and data makers shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def rel_err(x: Tensor, ref: Tensor) -> float:
+    """||x - ref|| / ||ref|| in float64 (absolute error when ref is all zeros). NaN stays NaN."""
+    x64, r64 = x.detach().double().cpu(), ref.detach().double().cpu()
+    den = r64.norm().item()
+    num = (x64 - r64).norm().item()
+    return num / den if den > 0 else num
+
+
+def assert_rel(x: Tensor, ref: Tensor, tol: float, what: str = "value") -> None:
+    assert x.shape == ref.shape, f"{what}: shape {tuple(x.shape)} != reference {tuple(ref.shape)}"
+    assert torch.isfinite(x).all(), f"{what}: non-finite entries"
+    err = rel_err(x, ref)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+
+
+def features(b: int, d: int, *, dtype=torch.float32, device="cpu", seed: int = 0, normalize: bool = True) -> Tensor:
+    """Random (b, d) features (unit rows when ``normalize``), leaf tensor requiring grad."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, d, generator=g, dtype=torch.float64)
+    if normalize:
+        x = x / x.norm(dim=1, keepdim=True)
+    return x.to(device=device, dtype=dtype).requires_grad_(True)
