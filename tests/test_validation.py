@@ -1,0 +1,86 @@
+"""Bad inputs get ValueError/TypeError naming the argument and the expectation (DESIGN.md §2a)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bigbatch
+from bigbatch.backends import TorchTiles
+
+
+def ok(b=8, d=4, dtype=torch.float32):
+    return torch.randn(b, d, dtype=dtype)
+
+
+CLIP_CASES = [
+    # (image, text, scale, kwargs, error, message fragment)
+    ([[1.0]], ok(), 1.0, {}, TypeError, "image_features must be a torch.Tensor"),
+    (ok(), "text", 1.0, {}, TypeError, "text_features must be a torch.Tensor"),
+    (torch.randn(8), ok(), 1.0, {}, ValueError, "image_features must be 2-D"),
+    (ok(), torch.randn(2, 8, 4), 1.0, {}, ValueError, "text_features must be 2-D"),
+    (ok(0), ok(0), 1.0, {}, ValueError, "at least one row"),
+    (ok(8, 0), ok(8, 0), 1.0, {}, ValueError, "at least one feature column"),
+    (ok(8, 4), ok(8, 5), 1.0, {}, ValueError, "same feature dimension"),
+    (ok(8, 4), ok(9, 4), 1.0, {}, ValueError, "same batch size"),
+    (ok().int(), ok().int(), 1.0, {}, TypeError, "floating dtype"),
+    (ok(dtype=torch.float16), ok(), 1.0, {}, TypeError, "same dtype"),
+    (ok(), ok(), "big", {}, TypeError, "scale must be a float or a 0-d floating tensor"),
+    (ok(), ok(), torch.ones(3), {}, ValueError, "scale must be a scalar"),
+    (ok(), ok(), torch.tensor(2), {}, TypeError, "scale must be a floating tensor"),
+    (ok(), ok(), float("inf"), {}, ValueError, "scale must be finite"),
+    (ok(), ok(), True, {}, TypeError, "scale must be a float"),
+    (ok(), ok(), 1.0, {"backend": "cuda-magic"}, ValueError, "backend must be one of"),
+    (ok(), ok(), 1.0, {"backend": 3}, TypeError, "backend must be one of"),
+    (ok(), ok(), 1.0, {"group": "world"}, ValueError, "torch.distributed is not initialised"),
+]
+
+
+@pytest.mark.parametrize("image,text,scale,kwargs,error,fragment", CLIP_CASES)
+def test_clip_bad_inputs(image, text, scale, kwargs, error, fragment):
+    with pytest.raises(error, match=fragment):
+        bigbatch.clip_loss(image, text, scale, **kwargs)
+
+
+INFONCE_CASES = [
+    (ok(8), ok(5), {}, ValueError, "keys needs at least as many rows as queries"),
+    (ok(8), ok(10), {"labels": torch.zeros(8)}, TypeError, "labels must have an integer dtype"),
+    (ok(8), ok(10), {"labels": torch.zeros(8, dtype=torch.bool)}, TypeError, "labels must have an integer dtype"),
+    (ok(8), ok(10), {"labels": [0] * 8}, TypeError, "labels must be a torch.Tensor"),
+    (ok(8), ok(10), {"labels": torch.zeros(7, dtype=torch.long)}, ValueError, r"labels must have shape \(8,\)"),
+    (ok(8), ok(10), {"labels": torch.zeros(8, 1, dtype=torch.long)}, ValueError, r"labels must have shape \(8,\)"),
+    (ok(8), ok(10), {"labels": torch.full((8,), 10)}, ValueError, r"labels must index keys in \[0, 10\)"),
+    (ok(8), ok(10), {"labels": torch.full((8,), -1)}, ValueError, r"labels must index keys in \[0, 10\)"),
+    (ok(8), ok(10), {"reduction": "avg"}, ValueError, "reduction must be one of"),
+]
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("q,k,kwargs,error,fragment", INFONCE_CASES)
+def test_infonce_bad_inputs(backend, q, k, kwargs, error, fragment):
+    with pytest.raises(error, match=fragment):
+        bigbatch.infonce_loss(q, k, 1.0, backend=backend, **kwargs)
+
+
+def test_meta_device_mismatch_is_rejected():
+    with pytest.raises(ValueError, match="same device"):
+        bigbatch.clip_loss(ok(), torch.randn(8, 4, device="meta"), 1.0)
+
+
+def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="triton"):
+        bigbatch.clip_loss(ok(), ok(), 1.0, backend="triton")
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_tile_sizes_validated(bad):
+    with pytest.raises(ValueError, match="tile_rows must be a positive int"):
+        TorchTiles(tile_rows=bad)
+
+
+def test_cpu_scalar_scale_tensor_is_accepted():
+    """A 0-d CPU tensor is a scalar to torch; it is accepted (and differentiated) like one."""
+    s = torch.tensor(3.0, requires_grad=True)
+    bigbatch.clip_loss(ok(), ok(), s).backward()
+    assert s.grad is not None and torch.isfinite(s.grad)
