@@ -12,6 +12,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 import traceback
 from typing import Any, Callable, List
 
@@ -49,12 +50,14 @@ def run_gloo(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0) 
         ctx = mp.start_processes(
             _worker, args=(world_size, _free_port(), outdir, fn, args), nprocs=world_size, join=False, start_method="spawn"
         )
-        if not ctx.join(timeout=timeout):
-            for proc in ctx.processes:
-                proc.kill()
-            raise AssertionError(f"gloo processes did not finish within {timeout:.0f} s (a hang in a collective?)")
-        while not ctx.join(timeout=timeout):  # join returns True only once every process has exited
-            pass
+        # ctx.join returns False as soon as ONE process exits while others still run, so
+        # loop until all have exited or the deadline passes.
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                for proc in ctx.processes:
+                    proc.kill()
+                raise AssertionError(f"gloo processes did not finish within {timeout:.0f} s (a hang in a collective?)")
         results = []
         for rank in range(world_size):
             with open(os.path.join(outdir, f"rank{rank}.pkl"), "rb") as f:
