@@ -115,3 +115,48 @@ def infonce_loss(
     lse_row, _ = tiled_lse(queries, keys, s, impl, rows=True, cols=False)
     per_row = lse_row - positive_logits(queries, keys.index_select(0, labels), s)
     return reduce(per_row, reduction)
+
+
+def siglip_loss(
+    image_features: Tensor,
+    text_features: Tensor,
+    scale: ScaleArg,
+    bias: ScaleArg,
+    *,
+    labels: Optional[Tensor] = None,
+    group=None,
+    backend="auto",
+) -> Tensor:
+    """Sigmoid (SigLIP) loss ``-(1/B) sum_ij log sigmoid(z_ij (scale * image_i.text_j + bias))``.
+
+    ``z_ij = +1`` for positive pairs, ``-1`` otherwise; normalised by the batch size B as in
+    OpenCLIP's ``SigLipLoss``. One pass over the tiles gives the loss and every gradient.
+
+    Args:
+        image_features, text_features: (B, D), same dtype (float16/bfloat16/float32/float64) and device.
+        scale: the logit multiplier (e.g. ``model.logit_scale.exp()``), float or 0-d tensor.
+        bias: the logit bias (e.g. ``model.logit_bias``), float or 0-d tensor.
+        labels: ``None`` (pair i is image i with text i: positives on the diagonal) or a (B,) integer
+            tensor of class ids: image i and text j are positive iff ``labels[i] == labels[j]``.
+            With ``group``, ids are compared across all ranks' shards.
+        group: ``None`` or a process group; each rank holds a shard of the pairs (shards may differ in
+            size). The returned value is this rank's share ``world/B_global * sum over its rows``
+            (OpenCLIP's convention): its mean over ranks is the global loss, and gradients averaged
+            over ranks (DDP) equal the single-process gradients, scale and bias included.
+        backend: ``"auto"``, ``"reference"``, ``"torch"``, ``"triton"`` or a sigmoid backend object.
+    """
+    from .sigmoid_loss import check_class_ids, resolve_sigmoid_backend, sigmoid_loss_sum
+
+    group = check_group(group)
+    if group is not None:
+        from .distributed.sigmoid import ring_siglip_loss
+
+        return ring_siglip_loss(image_features, text_features, scale, bias, labels=labels, group=group, backend=backend)
+    check_pair("image_features", image_features, "text_features", text_features, same_rows=True)
+    s = prepare_scalar("scale", scale, image_features)
+    b = prepare_scalar("bias", bias, image_features)
+    ids = check_class_ids(labels, image_features.shape[0], image_features.device)
+    impl = resolve_sigmoid_backend(backend, image_features.device, image_features.dtype)
+    if impl == "reference":
+        return reference.siglip_loss(image_features, text_features, s, b, ids)
+    return sigmoid_loss_sum(image_features, text_features, s, b, impl, ids=ids, norm=1.0 / image_features.shape[0])

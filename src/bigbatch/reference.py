@@ -44,3 +44,18 @@ def clip_loss(image: Tensor, text: Tensor, scale: Scalar) -> Tensor:
     s = logits(image, text, scale)
     labels = torch.arange(image.shape[0], device=image.device)
     return 0.5 * (F.cross_entropy(s, labels) + F.cross_entropy(s.t(), labels))
+
+
+def siglip_loss(image: Tensor, text: Tensor, scale: Scalar, bias: Scalar, labels: Optional[Tensor] = None) -> Tensor:
+    """OpenCLIP's SigLipLoss: ``-sum_ij log sigmoid(z_ij (scale * image_i.text_j + bias)) / B``.
+
+    ``z = +1`` on positives (the diagonal, or ``labels[i] == labels[j]`` when labels are given),
+    ``-1`` elsewhere; normalised by the batch size B, as OpenCLIP does.
+    """
+    s = logits(image, text, scale) + bias
+    if labels is None:
+        pos = torch.eye(image.shape[0], text.shape[0], dtype=torch.bool, device=image.device)
+    else:
+        pos = labels[:, None] == labels[None, :]
+    z = pos.to(s.dtype) * 2 - 1
+    return -F.logsigmoid(z * s).sum() / image.shape[0]

@@ -74,3 +74,44 @@ class TileBackend(Protocol):
         compute dtype. A direction whose ``lse`` or ``g`` is ``None`` contributes nothing.
         """
         ...
+
+
+@runtime_checkable
+class SigmoidBackend(Protocol):
+    """What the sigmoid (SigLIP) loss and its ring need from a backend.
+
+    For a block of queries ``q`` (M x D) and keys ``k`` (N x D), with logits
+    ``u = scale * q @ k.T + bias`` and signs ``z = +1`` on positive pairs, ``-1`` elsewhere,
+    one pass over the tiles gives the summed loss ``sum_ij softplus(-z_ij u_ij)`` and its
+    gradient w.r.t. the logits ``G = sigmoid(u) - [z = +1]`` (no global statistic is needed).
+    Positives: ``q_ids[i] == k_ids[j]`` when ids are given, else ``j == i + diagonal``
+    (``diagonal=None``: the block has no positives).
+    """
+
+    name: str
+
+    def supports(self, device: torch.device) -> bool:
+        """Whether this backend can run on ``device``."""
+        ...
+
+    def sigmoid_pass(
+        self,
+        q: Tensor,
+        k: Tensor,
+        scale: Tensor,
+        bias: Tensor,
+        *,
+        q_ids: Optional[Tensor] = None,
+        k_ids: Optional[Tensor] = None,
+        diagonal: Optional[int] = 0,
+        dq_acc: Optional[Tensor] = None,
+        dk_acc: Optional[Tensor] = None,
+    ) -> Tuple[Tensor, Tensor]:
+        """``(loss_sum, g_sum)``: 0-d tensors in the compute dtype, ``sum_ij softplus(-z u)`` and
+        ``sum_ij G_ij`` (the bias gradient of ``loss_sum``).
+
+        When given, ``dq_acc`` (M x D) and ``dk_acc`` (N x D), compute-dtype accumulators, receive
+        ``+= G @ k`` and ``+= G.T @ q`` (unscaled: the caller multiplies by ``scale``; the scale
+        gradient is ``sum_i q_i . dq_acc_i``, an O(M*D) dot product).
+        """
+        ...

@@ -1,0 +1,266 @@
+"""Triton backend for the sigmoid (SigLIP) loss: a fused logits kernel plus two GEMMs per tile.
+
+Per workspace tile (``tile_rows x tile_cols`` of the M x N logits), one pass:
+
+1. ``_siglip_tile_kernel`` (Triton): ``u = scale * q @ k.T + bias`` on the tensor cores with fp32
+   accumulation, then in registers the loss ``softplus(-z u)`` and the logits gradient
+   ``G = sigmoid(u) - [z = +1]``; it writes G once in the inputs' dtype (bf16/fp16/fp32) and one
+   partial loss / partial ``sum G`` per program. The logits themselves never reach memory.
+2. ``dq_acc += G @ k`` and ``dk_acc += G.T @ q`` with cuBLAS, fp32 output (``out_dtype``).
+
+FLOPs: 2*M*N*D in the kernel + 4*M*N*D in the GEMMs = 6*M*N*D (2*M*N*D without gradients).
+Memory traffic beyond the GEMMs' operands: G written once and read twice (6 bytes per logit in
+bf16), against 6*D FLOPs per logit: compute-bound for D >= 64 on an H200.
+Workspace: one G tile (512 MiB by default on a GPU) and O(#programs) partials; never M x N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+import triton
+import triton.language as tl
+
+from . import triton_interpreted
+from .base import compute_dtype
+from .torch_sigmoid import blocks, check_ids
+
+# Bytes of the G workspace tile chosen automatically (GPU); the interpreter uses small tiles.
+_AUTO_TILE_BYTES = {"cuda": 1 << 29, "cpu": 1 << 16}
+
+
+@triton.jit(do_not_specialize=["diagonal"])
+def _siglip_tile_kernel(
+    Q, K, G, QIDS, KIDS, LOSS_PART, GSUM_PART, SCALE, BIAS,
+    M, N, D, diagonal,
+    stride_qm, stride_kn, stride_gm,
+    HAS_IDS: tl.constexpr, WRITE_G: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Grouped program order: GROUP_M row blocks share their column blocks while those sit in L2.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * num_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % rows_in_group
+    pid_n = (pid % group_size) // rows_in_group
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mask_m = rm < M
+    mask_n = rn < N
+    q_ptrs = Q + rm[:, None] * stride_qm + rk[None, :]
+    k_ptrs = K + rn[:, None] * stride_kn + rk[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(q_ptrs, mask=mask_m[:, None], other=0.0)
+            b = tl.load(k_ptrs, mask=mask_n[:, None], other=0.0)
+        else:
+            kmask = (k0 + rk) < D
+            a = tl.load(q_ptrs, mask=mask_m[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(k_ptrs, mask=mask_n[:, None] & kmask[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        q_ptrs += BLOCK_K
+        k_ptrs += BLOCK_K
+
+    u = acc * tl.load(SCALE) + tl.load(BIAS)
+    valid = mask_m[:, None] & mask_n[None, :]
+    if HAS_IDS:
+        qi = tl.load(QIDS + rm, mask=mask_m, other=0)
+        ki = tl.load(KIDS + rn, mask=mask_n, other=0)
+        pos = qi[:, None] == ki[None, :]
+    else:
+        # An out-of-range ``diagonal`` (the launcher passes N) means: no positives.
+        pos = (rn[None, :] - rm[:, None]) == diagonal
+    # Stable in both tails with one exp: e = exp(-|u|) in (0, 1].
+    e = tl.exp(-tl.abs(u))
+    r = 1.0 / (1.0 + e)
+    nonneg = u >= 0
+    sig_u = tl.where(nonneg, r, e * r)  # sigmoid(u)
+    sig_neg_u = tl.where(nonneg, e * r, r)  # sigmoid(-u)
+    # G = sigmoid(u) - 1 = -sigmoid(-u) on positives (no cancellation for u >> 0).
+    g = tl.where(valid, tl.where(pos, -sig_neg_u, sig_u), 0.0)
+    # softplus(-z u) = max(-z u, 0) + log1p(e); log1p by its series where 1 + e would round.
+    zu = tl.where(pos, u, -u)
+    log1p_e = tl.where(e < 1e-2, e * (1.0 - e * (0.5 - e * (0.3333333333333333 - 0.25 * e))), tl.log(1.0 + e))
+    loss = tl.where(valid, tl.maximum(-zu, 0.0) + log1p_e, 0.0)
+    tl.store(LOSS_PART + pid, tl.sum(tl.sum(loss, axis=1), axis=0))
+    tl.store(GSUM_PART + pid, tl.sum(tl.sum(g, axis=1), axis=0))
+    if WRITE_G:
+        tl.store(G + rm[:, None] * stride_gm + rn[None, :], g.to(G.dtype.element_ty), mask=valid)
+
+
+# How ``acc += a @ b`` is done for half-precision a, b and an fp32 accumulator (decided on first use).
+_MM_ACC_MODE: Optional[str] = None
+
+
+def _mm_acc_mode(device: torch.device) -> str:
+    """``"addmm_out_dtype"`` (fused fp32-output GEMM), ``"mm_out_dtype"`` (GEMM + add) or ``"upcast"``.
+
+    The fused form is checked once against an fp64 product before it is trusted.
+    """
+    global _MM_ACC_MODE
+    if _MM_ACC_MODE is not None:
+        return _MM_ACC_MODE
+    if device.type != "cuda":
+        _MM_ACC_MODE = "upcast"
+        return _MM_ACC_MODE
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(64, 96, device=device, generator=gen).to(torch.bfloat16)
+    b = torch.randn(96, 48, device=device, generator=gen).to(torch.bfloat16)
+    acc0 = torch.randn(64, 48, device=device, generator=gen)
+    want = acc0.double() + a.double() @ b.double()
+    mode = "upcast"
+    try:
+        acc = acc0.clone()
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        if (acc.double() - want).abs().max().item() < 1e-3:
+            mode = "addmm_out_dtype"
+    except (RuntimeError, TypeError, NotImplementedError):
+        pass
+    if mode == "upcast":
+        try:
+            acc = acc0 + torch.mm(a, b, out_dtype=torch.float32)
+            if (acc.double() - want).abs().max().item() < 1e-3:
+                mode = "mm_out_dtype"
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass
+    _MM_ACC_MODE = mode
+    return mode
+
+
+def mm_acc(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` with fp32 (or fp64) accumulation whatever the dtype of a and b."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    mode = _mm_acc_mode(acc.device)
+    if mode == "addmm_out_dtype":
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    elif mode == "mm_out_dtype":
+        acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+_PRECISIONS = ("ieee", "tf32")
+
+
+@dataclass(frozen=True)
+class TritonSigmoid:
+    """Fused sigmoid-loss tiles on CUDA (or the Triton interpreter on CPU tensors).
+
+    ``tile_rows``/``tile_cols``: the G workspace tile (``None``: automatic, 512 MiB on a GPU).
+    ``fp32_precision``: ``"ieee"`` (exact fp32 products) or ``"tf32"`` for float32 features.
+    ``block``: kernel config ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` or ``None``.
+    """
+
+    tile_rows: Optional[int] = None
+    tile_cols: Optional[int] = None
+    fp32_precision: str = "ieee"
+    block: Optional[Tuple[int, int, int, int, int]] = None
+    name: str = "triton"
+
+    def __post_init__(self) -> None:
+        for arg in ("tile_rows", "tile_cols"):
+            value = getattr(self, arg)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"TritonSigmoid: {arg} must be a positive int or None, got {value!r}")
+        if self.fp32_precision not in _PRECISIONS:
+            raise ValueError(f"TritonSigmoid: fp32_precision must be one of {_PRECISIONS}, got {self.fp32_precision!r}")
+        if self.block is not None and (len(self.block) != 5 or min(self.block[:3]) < 16):
+            raise ValueError(f"TritonSigmoid: block must be (BLOCK_M, BLOCK_N, BLOCK_K>=16, warps, stages), got {self.block!r}")
+
+    def supports(self, device: torch.device) -> bool:
+        return device.type == "cuda" or (device.type == "cpu" and triton_interpreted())
+
+    def _config(self, dtype: torch.dtype, device: torch.device) -> Tuple[int, int, int, int, int]:
+        if self.block is not None:
+            return self.block
+        if device.type != "cuda":
+            return (32, 32, 32, 4, 1)  # interpreter: several programs and tails even on tiny inputs
+        if dtype == torch.float32:
+            return (128, 128, 32, 8, 3)
+        return (128, 128, 64, 8, 3)
+
+    def _tiles(self, m: int, n: int, itemsize: int, device: torch.device) -> Tuple[int, int]:
+        budget = _AUTO_TILE_BYTES.get(device.type, 1 << 26) // itemsize
+        side = 1 << (max(budget, 1).bit_length() // 2)
+        rows = self.tile_rows or max(1, min(m, side))
+        cols = self.tile_cols or max(1, min(n, budget // rows))
+        return rows, cols
+
+    def sigmoid_pass(
+        self,
+        q: Tensor,
+        k: Tensor,
+        scale: Tensor,
+        bias: Tensor,
+        *,
+        q_ids: Optional[Tensor] = None,
+        k_ids: Optional[Tensor] = None,
+        diagonal: Optional[int] = 0,
+        dq_acc: Optional[Tensor] = None,
+        dk_acc: Optional[Tensor] = None,
+    ) -> Tuple[Tensor, Tensor]:
+        if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(
+                f"backend='triton' takes float16/bfloat16/float32 features, got {q.dtype}; use backend='torch'"
+            )
+        if not self.supports(q.device):
+            raise ValueError(f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {q.device}")
+        ct = compute_dtype(q.dtype)
+        m, n, d = q.shape[0], k.shape[0], q.shape[1]
+        check_ids(q_ids, k_ids, m, n)
+        q, k = q.contiguous(), k.contiguous()
+        scale = scale.to(torch.float32).reshape(1)
+        bias = bias.to(torch.float32).reshape(1)
+        if q_ids is not None:
+            q_ids, k_ids = q_ids.contiguous(), k_ids.contiguous()
+        write_g = dq_acc is not None or dk_acc is not None
+        bm, bn, bk, warps, stages = self._config(q.dtype, q.device)
+        tr, tc = self._tiles(m, n, q.element_size(), q.device)
+        work = torch.empty(tr * tc if write_g else 1, dtype=q.dtype, device=q.device)
+        max_programs = triton.cdiv(min(tr, m), bm) * triton.cdiv(min(tc, n), bn)
+        parts = torch.empty((2, max_programs), dtype=torch.float32, device=q.device)
+        loss = torch.zeros((), dtype=ct, device=q.device)
+        g_sum = torch.zeros((), dtype=ct, device=q.device)
+        precision = "ieee" if q.dtype != torch.float32 else self.fp32_precision
+        for rs in blocks(m, tr):
+            tm = rs.stop - rs.start
+            for cs in blocks(n, tc):
+                tn = cs.stop - cs.start
+                if q_ids is not None:
+                    diag = 0
+                elif diagonal is None:
+                    diag = tn  # out of range: no positives
+                else:
+                    diag = diagonal + rs.start - cs.start
+                g_tile = work[: tm * tn].view(tm, tn) if write_g else work
+                grid = (triton.cdiv(tm, bm) * triton.cdiv(tn, bn),)
+                _siglip_tile_kernel[grid](
+                    q[rs], k[cs], g_tile,
+                    q_ids[rs] if q_ids is not None else q, k_ids[cs] if k_ids is not None else k,
+                    parts[0], parts[1], scale, bias,
+                    tm, tn, d, diag,
+                    q.stride(0), k.stride(0), tn,
+                    HAS_IDS=q_ids is not None, WRITE_G=write_g, EVEN_K=d % bk == 0, PRECISION=precision,
+                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                    num_warps=warps, num_stages=stages,
+                )
+                sums = parts[:, : grid[0]].sum(dim=1, dtype=ct)
+                loss += sums[0]
+                g_sum += sums[1]
+                if dq_acc is not None:
+                    mm_acc(dq_acc[rs], g_tile, k[cs])
+                if dk_acc is not None:
+                    mm_acc(dk_acc[cs], g_tile.t(), q[rs])
+        return loss, g_sum
