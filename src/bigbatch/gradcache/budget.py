@@ -1,0 +1,157 @@
+"""Memory budgets and the automatic chunk size: the largest chunk whose forward + backward fits.
+
+A budget is the memory a cached step may add on top of what is allocated when it starts
+(weights, optimizer state and existing ``.grad`` are not counted; newly created ``.grad`` is).
+
+Probe (once per model, input shape beyond the batch dimension, dtype and autocast setting):
+run forward + backward of two small chunks ``c1 < c2`` and fit ``peak(c) = fixed + per_row * c``.
+
+* CUDA: ``peak`` is ``torch.cuda.max_memory_allocated()`` above the allocation before the probe,
+  ``act`` (memory held by the graph after the forward) likewise.
+* CPU (no allocator statistics): ``act`` is the bytes of the tensors autograd saves for the
+  backward (``saved_tensors_hooks``) and ``peak`` is taken as ``2 * act`` (the backward holds the
+  activations and their gradients). An estimate; on CPU a budget is a guide, not a guarantee.
+
+The probe uses ``torch.autograd.grad`` (no ``.grad`` is touched), a forked random state and a
+copy of the model's buffers (restored afterwards), so it changes nothing the step can see.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from .chunking import batch_size, call_model, model_device, split_batch, tensor_leaves, to_device
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+MemoryArg = Union[int, float, str, None]
+
+
+def parse_memory(value: MemoryArg, name: str = "memory_budget") -> Optional[int]:
+    """Bytes from an int/float or a string like ``"16GiB"``, ``"500 MB"``; ``None`` stays ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be bytes (int) or a string like '16GiB', got bool")
+    if isinstance(value, (int, float)):
+        out = int(value)
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{name}: cannot read {value!r}; use bytes or e.g. '16GiB', '512MiB', '8GB'")
+        out = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise TypeError(f"{name} must be bytes (int) or a string like '16GiB', got {type(value).__name__}")
+    if out <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class ChunkCost:
+    """Memory model of one chunk: ``fixed + per_row * rows`` at the forward+backward peak,
+    ``act_per_row * rows`` held by a kept graph between the forward and its backward."""
+
+    fixed: float
+    per_row: float
+    act_per_row: float
+
+    def peak(self, rows: int) -> float:
+        return self.fixed + self.per_row * rows
+
+    def held(self, rows: int) -> float:
+        return self.act_per_row * rows
+
+    def largest_chunk(self, budget: int, cap: int) -> int:
+        """Largest row count (<= cap) whose peak fits ``budget``; ``ValueError`` if not even 1 row fits."""
+        room = budget - self.fixed
+        if room < self.per_row:
+            raise ValueError(
+                f"memory_budget of {budget / 2**30:.3g} GiB is too small for even one example "
+                f"(about {self.peak(1) / 2**30:.3g} GiB for forward + backward of one row)"
+            )
+        return max(1, min(cap, int(room // max(self.per_row, 1.0))))
+
+
+def _signature(model: nn.Module, x: Any, autocast: Optional[torch.dtype]) -> Tuple:
+    leaves = tuple((tuple(t.shape[1:]), t.dtype) for t in tensor_leaves(x))
+    return (id(model), leaves, autocast)
+
+
+@contextlib.contextmanager
+def _restored_buffers(model: nn.Module):
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)
+
+
+def _measure(model, x, get_rep, autocast_ctx, params, device) -> Tuple[float, float]:
+    """(peak, act) bytes of one forward + backward of chunk ``x``."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        with autocast_ctx():
+            rep = get_rep(call_model(model, x))
+        act = torch.cuda.memory_allocated(device) - base
+        torch.autograd.grad(rep, params, grad_outputs=torch.ones_like(rep), allow_unused=True)
+        del rep
+        torch.cuda.synchronize(device)
+        return float(torch.cuda.max_memory_allocated(device) - base), float(act)
+    saved = [0]
+
+    def pack(t: Tensor) -> Tensor:
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast_ctx():
+        rep = get_rep(call_model(model, x))
+    torch.autograd.grad(rep, params, grad_outputs=torch.ones_like(rep), allow_unused=True)
+    grads = sum(p.numel() * p.element_size() for p in params)
+    return float(2 * saved[0] + grads), float(saved[0])
+
+
+class ChunkProber:
+    """Measures and caches :class:`ChunkCost` per (model, input signature, autocast)."""
+
+    def __init__(self, probe_rows: Tuple[int, int] = (16, 48)) -> None:
+        self.probe_rows = probe_rows
+        self._cache: Dict[Tuple, ChunkCost] = {}
+
+    def cost(self, model: nn.Module, x: Any, get_rep: Callable[[Any], Tensor],
+             autocast_ctx: Callable[[], Any], autocast: Optional[torch.dtype]) -> ChunkCost:
+        key = _signature(model, x, autocast)
+        if key in self._cache:
+            return self._cache[key]
+        b = batch_size(x)
+        c1, c2 = min(self.probe_rows[0], b), min(self.probe_rows[1], b)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("cannot size chunks for a model with no parameter that requires grad")
+        device = model_device(model)
+        devices = [device.index] if device.type == "cuda" and device.index is not None else []
+        with torch.random.fork_rng(devices=devices), _restored_buffers(model), torch.enable_grad():
+            points = []
+            for c in sorted({c1, c2}):
+                chunk = to_device(split_batch(x, c)[0], device)
+                points.append((c, *_measure(model, chunk, get_rep, autocast_ctx, params, device)))
+        if len(points) == 1:  # the whole batch is smaller than the first probe: assume no fixed part
+            c, peak, act = points[0]
+            cost = ChunkCost(0.0, peak / c, act / c)
+        else:
+            (ca, pa, aa), (cb, pb, ab) = points
+            slope = max((pb - pa) / (cb - ca), pb / cb * 0.5, 1.0)
+            cost = ChunkCost(max(pb - slope * cb, 0.0), slope, max(ab / cb, (ab - aa) / (cb - ca)))
+        self._cache[key] = cost
+        return cost

@@ -1,0 +1,227 @@
+"""``GradCache``: one call = one cached step over the whole batch, exact full-batch gradients.
+
+Steps of ``gc(*inputs, **loss_kwargs)`` (B rows per input, chunk c, representation width D):
+
+1. split every input into chunks (``split_input_fn`` or :func:`~.chunking.split_batch`);
+   chunk sizes given, or the largest that fits ``memory_budget`` (probed once per input shape);
+2. pass 1: encode all chunks without a graph (random state captured per chunk); the last
+   chunk(s) keep their graph when the budget has room for it (saves their second forward);
+3. the loss on the detached, whole-batch representations; its backward (scaled by ``scaler``
+   when given) fills the loss's own parameters' gradients (exact: they see the whole batch)
+   and the cached gradient d(loss)/d(reps), B x D per input;
+4. pass 2: re-run each chunk under its replayed random state, back-propagate its slice.
+
+Memory: one chunk's forward + backward (or the budget), plus B x D representations and their
+gradients per input, plus what the loss needs. Work: one extra forward per re-run chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from .budget import ChunkProber, MemoryArg, parse_memory
+from .chunking import batch_size, model_device, pin, split_batch
+from .engine import EngineOptions, Unit, backprop, encode, finalize_plan
+from .wrappers import DDP_SYNC_MODES, check_not_fsdp, is_ddp
+
+_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+_BUDGET_FRACTION = 0.9  # chunk sizes use 90% of the budget: allocator rounding and fragmentation
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def check_options(autocast_dtype, scaler, ddp_sync) -> None:
+    if autocast_dtype is not None and autocast_dtype not in _AUTOCAST_DTYPES:
+        raise ValueError(f"autocast_dtype must be torch.bfloat16, torch.float16 or None, got {autocast_dtype!r}")
+    if scaler is not None and not (hasattr(scaler, "scale") and hasattr(scaler, "step")):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    if ddp_sync not in DDP_SYNC_MODES:
+        raise ValueError(f"ddp_sync must be one of {DDP_SYNC_MODES}, got {ddp_sync!r}")
+
+
+def default_budget(device: torch.device) -> int:
+    """90% of the free memory of a CUDA device; on other devices a budget must be given."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * _BUDGET_FRACTION)
+    raise ValueError(
+        f"chunk_sizes=None needs a memory_budget on {device.type} (memory cannot be measured there "
+        "the way it is on CUDA): pass chunk_sizes=<rows per chunk> or memory_budget='4GiB'"
+    )
+
+
+class GradCache:
+    """Gradient caching for one or several encoders (the GradCache paper, exact, with AMP, DDP, offload).
+
+    Args:
+        models: one ``nn.Module`` (shared by every input) or a list: one module per input, or a single
+            module shared by all inputs. Modules may be wrapped in ``DistributedDataParallel``.
+        chunk_sizes: rows per chunk, an int or one per input; ``None`` chooses the largest chunk whose
+            forward + backward fits ``memory_budget`` (per input: short queries get larger chunks).
+        loss_fn: ``loss_fn(*reps, **loss_kwargs) -> scalar``; may have parameters of its own (a learned
+            head, a logit scale): they get exact full-batch gradients.
+        split_input_fn: ``(inputs, chunk_size) -> list of chunks``; default splits tensors, mappings
+            (dict, BatchEncoding), lists and tuples along dimension 0.
+        get_rep_fn: model output -> (rows, ...) representation tensor; default: the output itself.
+        memory_budget: bytes or a string like ``"16GiB"``: memory a step may add above what is allocated
+            when it starts. Default on CUDA: 90% of free memory; on CPU a budget or chunk sizes are required.
+        scaler: a ``torch.amp.GradScaler`` (fp16): the loss is scaled before the cache is built, so the
+            cached gradients and the parameter gradients are scaled; call ``scaler.step``/``update`` after.
+            Non-finite cached gradients propagate to ``.grad`` so the scaler skips that step.
+        autocast_dtype: run encoders and loss under ``torch.autocast`` with this dtype (bf16/fp16).
+        offload_inputs: keep inputs on the CPU (pinned); each chunk is copied to the model's device on a
+            side stream, overlapped with the previous chunk's compute.
+        offload_reps: keep cached representations and their gradients on the CPU between passes.
+        ddp_sync: ``"last_chunk"`` (DDP all-reduces once per step) or ``"every_chunk"``.
+        keep_last_graph: keep the graph of the last chunk(s) of pass 1 when the budget allows, instead of
+            re-running them (one chunk's forward saved per step).
+
+    Calling ``gc(*inputs, **loss_kwargs)`` runs one cached step: it accumulates into ``.grad`` of every
+    parameter (encoders and loss) and returns the detached, unscaled loss.
+    """
+
+    def __init__(
+        self,
+        models: Union[nn.Module, Sequence[nn.Module]],
+        chunk_sizes: Union[int, Sequence[int], None] = None,
+        loss_fn: Optional[Callable[..., Tensor]] = None,
+        split_input_fn: Optional[Callable[[Any, int], List[Any]]] = None,
+        get_rep_fn: Optional[Callable[[Any], Tensor]] = None,
+        memory_budget: MemoryArg = None,
+        scaler: Optional[Any] = None,
+        autocast_dtype: Optional[torch.dtype] = None,
+        offload_inputs: bool = False,
+        offload_reps: bool = False,
+        ddp_sync: str = "last_chunk",
+        keep_last_graph: bool = True,
+    ) -> None:
+        self.models: List[nn.Module] = [models] if isinstance(models, nn.Module) else list(models)
+        if not self.models or not all(isinstance(m, nn.Module) for m in self.models):
+            raise TypeError("models must be an nn.Module or a non-empty list of nn.Modules")
+        for m in self.models:
+            check_not_fsdp(m)
+        if loss_fn is None or not callable(loss_fn):
+            raise TypeError("loss_fn must be a callable (*reps, **loss_kwargs) -> scalar tensor")
+        check_options(autocast_dtype, scaler, ddp_sync)
+        if chunk_sizes is not None:
+            sizes = [chunk_sizes] if isinstance(chunk_sizes, int) else list(chunk_sizes)
+            for c in sizes:
+                if not isinstance(c, int) or isinstance(c, bool) or c < 1:
+                    raise ValueError(f"chunk_sizes must be positive ints, got {chunk_sizes!r}")
+            chunk_sizes = sizes
+        self.chunk_sizes: Optional[List[int]] = chunk_sizes
+        self.loss_fn = loss_fn
+        self.split_input_fn = split_input_fn
+        self.get_rep_fn = get_rep_fn or _identity
+        self.memory_budget = parse_memory(memory_budget)
+        self.scaler = scaler
+        self.autocast_dtype = autocast_dtype
+        self.offload_inputs = offload_inputs
+        self.offload_reps = offload_reps
+        self.ddp_sync = ddp_sync
+        self.keep_last_graph = keep_last_graph
+        self._prober = ChunkProber()
+        self.last_chunk_sizes: List[int] = []  # what the last step used, per input (for logs/benchmarks)
+        self.last_kept: int = 0  # how many chunks kept their pass-1 graph in the last step
+
+    def __call__(self, *inputs: Any, **loss_kwargs: Any) -> Tensor:
+        return self.cache_step(*inputs, **loss_kwargs)
+
+    # -- planning -------------------------------------------------------------------------
+    def _models_for(self, n: int) -> List[nn.Module]:
+        if len(self.models) == 1:
+            return self.models * n
+        if len(self.models) != n:
+            raise ValueError(f"got {n} inputs for {len(self.models)} models: pass one input per model "
+                             "(or a single shared model)")
+        return self.models
+
+    def _sizes(self, models: List[nn.Module], inputs: Sequence[Any]):
+        """Per input: (chunk size, cost model or None); and the budget in bytes or None."""
+        if self.chunk_sizes is not None:
+            sizes = self.chunk_sizes * len(inputs) if len(self.chunk_sizes) == 1 else self.chunk_sizes
+            if len(sizes) != len(inputs):
+                raise ValueError(f"chunk_sizes has {len(sizes)} entries for {len(inputs)} inputs")
+            budget = self.memory_budget
+            costs = [self._cost(m, x) for m, x in zip(models, inputs)] if budget is not None else [None] * len(inputs)
+            return list(sizes), costs, budget
+        budget = self.memory_budget or default_budget(model_device(models[0]))
+        usable = int(budget * _BUDGET_FRACTION)
+        costs = [self._cost(m, x) for m, x in zip(models, inputs)]
+        sizes = [c.largest_chunk(usable, batch_size(x, f"inputs[{i}]")) for i, (c, x) in enumerate(zip(costs, inputs))]
+        return sizes, costs, budget
+
+    def _cost(self, model: nn.Module, x: Any):
+        module = model.module if is_ddp(model) else model
+        from .engine import _autocast
+
+        amp = _autocast(model_device(module), self.autocast_dtype)
+        return self._prober.cost(module, x, self.get_rep_fn, amp, self.autocast_dtype)
+
+    def _plan_keep(self, units: List[Unit], costs, budget: Optional[int]) -> None:
+        if not self.keep_last_graph:
+            return
+        if budget is None:
+            units[-1].keep = True
+            return
+        usable, held = budget * _BUDGET_FRACTION, 0.0
+        for u in reversed(units):
+            cost = costs[u.input_index]
+            if held + cost.peak(u.rows) > usable:
+                break
+            u.keep = True
+            held += cost.held(u.rows)
+
+    def _split(self, x: Any, chunk: int) -> List[Any]:
+        chunks = self.split_input_fn(x, chunk) if self.split_input_fn is not None else split_batch(x, chunk)
+        if not chunks:
+            raise ValueError("split_input_fn returned no chunks")
+        return list(chunks)
+
+    # -- the step -------------------------------------------------------------------------
+    def cache_step(self, *inputs: Any, **loss_kwargs: Any) -> Tensor:
+        """Run one cached step; see the class docstring."""
+        if not inputs:
+            raise ValueError("GradCache needs at least one input")
+        models = self._models_for(len(inputs))
+        if self.offload_inputs:
+            inputs = tuple(pin(x) for x in inputs)
+        sizes, costs, budget = self._sizes(models, inputs)
+        units: List[Unit] = []
+        for i, (m, x, c) in enumerate(zip(models, inputs, sizes)):
+            for chunk in self._split(x, c):
+                units.append(Unit(i, m, chunk, batch_size(chunk, f"a chunk of inputs[{i}]")))
+        self._plan_keep(units, costs, budget)
+        finalize_plan(units, self.ddp_sync)
+        self.last_chunk_sizes, self.last_kept = sizes, sum(u.keep for u in units)
+        opts = EngineOptions(self.get_rep_fn, self.autocast_dtype, self.offload_inputs, self.offload_reps, self.ddp_sync)
+        try:
+            reps = encode(units, opts, len(inputs))
+            leaves = [r.detach().requires_grad_(True) for r in reps]
+            device = leaves[0].device
+            amp = torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast_dtype else _null()
+            with torch.enable_grad(), amp:
+                loss = self.loss_fn(*leaves, **loss_kwargs)
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                raise ValueError("loss_fn must return a scalar tensor")
+            if not loss.requires_grad:
+                raise ValueError("loss_fn's result does not depend on the representations (no grad_fn)")
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            backprop(units, [leaf.grad for leaf in leaves], opts)
+        finally:
+            for u in units:  # never leave a kept graph alive after an error
+                u.kept_rep = None
+        return loss.detach().reshape(())
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

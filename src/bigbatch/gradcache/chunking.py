@@ -1,0 +1,144 @@
+"""Split encoder inputs along the batch dimension, call a model on a chunk, move chunks between devices.
+
+Inputs are nested structures whose tensor leaves share dimension 0 (the batch): a tensor, a
+mapping (``dict``, ``UserDict``, Hugging Face ``BatchEncoding``: the chunk keeps the type), a
+list or tuple (type kept), or luyug-GradCache style ``(args_list, kwargs_dict)``. Non-tensor
+leaves and 0-d tensors are repeated in every chunk. Splitting makes views, never copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+def tensor_leaves(x: Any) -> List[Tensor]:
+    """Every tensor inside ``x`` (depth-first, mapping values in key order)."""
+    if isinstance(x, Tensor):
+        return [x]
+    if isinstance(x, Mapping):
+        return [t for v in x.values() for t in tensor_leaves(v)]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in tensor_leaves(v)]
+    return []
+
+
+def batch_size(x: Any, name: str = "inputs") -> int:
+    """The shared size of dimension 0 of the batched tensor leaves of ``x``.
+
+    Raises ``ValueError`` when there is no batched tensor, the batch is empty, or leaves disagree.
+    """
+    sizes = {t.shape[0] for t in tensor_leaves(x) if t.dim() > 0}
+    if not sizes:
+        raise ValueError(f"{name}: expected a tensor or a structure of tensors with a batch dimension, got {type(x).__name__}")
+    if len(sizes) > 1:
+        raise ValueError(f"{name}: tensors disagree on the batch size (dimension 0): {sorted(sizes)}")
+    b = sizes.pop()
+    if b == 0:
+        raise ValueError(f"{name}: empty batch")
+    return b
+
+
+def _rebuild(like: Any, values: Sequence[Any]) -> Any:
+    if isinstance(like, tuple) and hasattr(like, "_fields"):  # namedtuple
+        return type(like)(*values)
+    return type(like)(values)
+
+
+def _remap(like: Mapping, items: dict) -> Any:
+    try:
+        return type(like)(items)
+    except TypeError:  # mapping types that cannot be built from a dict: fall back to a plain dict
+        return dict(items)
+
+
+def split_batch(x: Any, chunk_size: int) -> List[Any]:
+    """``x`` cut into consecutive chunks of ``chunk_size`` rows (the last may be shorter)."""
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    n = -(-batch_size(x) // chunk_size)
+
+    def cut(v: Any, i: int) -> Any:
+        if isinstance(v, Tensor):
+            return v if v.dim() == 0 else v[i * chunk_size : (i + 1) * chunk_size]
+        if isinstance(v, Mapping):
+            return _remap(v, {k: cut(w, i) for k, w in v.items()})
+        if isinstance(v, (list, tuple)):
+            return _rebuild(v, [cut(w, i) for w in v])
+        return v
+
+    return [cut(x, i) for i in range(n)]
+
+
+def map_tensors(x: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """``x`` with ``fn`` applied to every tensor leaf (structure and types kept)."""
+    if isinstance(x, Tensor):
+        return fn(x)
+    if isinstance(x, Mapping):
+        return _remap(x, {k: map_tensors(v, fn) for k, v in x.items()})
+    if isinstance(x, (list, tuple)):
+        return _rebuild(x, [map_tensors(v, fn) for v in x])
+    return x
+
+
+def call_model(model: nn.Module, x: Any) -> Any:
+    """Call ``model`` on one chunk: tensor -> ``model(x)``; mapping -> ``model(**x)``;
+    ``(list, dict)`` -> ``model(*args, **kwargs)``; other list/tuple -> ``model(*x)``."""
+    if isinstance(x, Tensor):
+        return model(x)
+    if isinstance(x, Mapping):
+        return model(**x)
+    if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], list) and isinstance(x[1], Mapping):
+        return model(*x[0], **x[1])
+    if isinstance(x, (list, tuple)):
+        return model(*x)
+    raise TypeError(f"inputs: cannot call a model on {type(x).__name__}; pass a tensor, mapping, list or tuple")
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (or buffer); CPU for a parameterless model."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def pin(x: Any) -> Any:
+    """CPU tensor leaves moved to pinned memory (only when CUDA exists; otherwise ``x`` unchanged)."""
+    if not torch.cuda.is_available():
+        return x
+    return map_tensors(x, lambda t: t if (t.is_cuda or t.is_pinned()) else t.pin_memory())
+
+
+def to_device(x: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    return map_tensors(x, lambda t: t if t.device == device else t.to(device, non_blocking=non_blocking))
+
+
+def staged(chunks: Sequence[Any], device: torch.device, overlap: bool) -> Iterator[Any]:
+    """Yield ``chunks`` on ``device``. With ``overlap`` on CUDA, chunk i+1 is copied on a side
+    stream while chunk i computes (pinned sources make the copy truly asynchronous); the
+    consumer stream waits for the copy and the copies are recorded on it so the caching
+    allocator never reuses them early. At most two chunks are on the device at a time."""
+    if not (overlap and device.type == "cuda"):
+        for c in chunks:
+            yield to_device(c, device)
+        return
+    copy_stream = torch.cuda.Stream(device=device)
+    compute = torch.cuda.current_stream(device)
+
+    def issue(c: Any) -> Any:
+        copy_stream.wait_stream(compute)  # the source may have been written on the compute stream
+        with torch.cuda.stream(copy_stream):
+            return to_device(c, device, non_blocking=True)
+
+    nxt: Optional[Any] = issue(chunks[0]) if chunks else None
+    for i in range(len(chunks)):
+        cur = nxt
+        compute.wait_stream(copy_stream)
+        map_tensors(cur, lambda t: (t.record_stream(compute), t)[1] if t.is_cuda else t)
+        nxt = issue(chunks[i + 1]) if i + 1 < len(chunks) else None
+        yield cur

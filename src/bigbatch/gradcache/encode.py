@@ -1,0 +1,106 @@
+"""``cached_encode``: gradient caching as an autograd node, for training loops you don't own.
+
+``reps = cached_encode(model, inputs, chunk_size=...)`` encodes the batch chunk by chunk without
+a graph and returns (B, ...) representations with a ``grad_fn``. Use them in any loss; when the
+caller's ``loss.backward()`` reaches them, the node re-runs each chunk (random state replayed,
+the autocast setting of the forward restored) and back-propagates that chunk's slice of the
+incoming gradient, accumulating into the encoder parameters' ``.grad`` (like reentrant
+activation checkpointing: ``torch.autograd.grad`` w.r.t. encoder parameters is not supported).
+A GradScaler-scaled loss yields scaled parameter gradients, as usual. Memory: one chunk's
+forward + backward; work: one extra forward per chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .budget import ChunkProber, MemoryArg, parse_memory
+from .cache import _BUDGET_FRACTION, _identity, check_options, default_budget
+from .chunking import batch_size, model_device, pin, split_batch
+from .engine import EngineOptions, Unit, _autocast, backprop, encode, finalize_plan
+from .wrappers import check_not_fsdp, is_ddp
+
+_PROBER = ChunkProber()
+
+
+class _CachedEncode(torch.autograd.Function):
+    """Forward: pass 1 (no graph). Backward: pass 2, parameter gradients accumulated into ``.grad``.
+    ``anchor`` is an empty tensor that requires grad, so the output is part of the caller's graph."""
+
+    @staticmethod
+    def forward(ctx, anchor: Tensor, units: List[Unit], opts: EngineOptions) -> Tensor:  # type: ignore[override]
+        rep = encode(units, opts, 1)[0]
+        ctx.units, ctx.opts = units, opts
+        return rep
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        units, opts = ctx.units, ctx.opts
+        ctx.units = None  # a second backward through this node is an error (its graphs are spent)
+        if units is None:
+            raise RuntimeError("cached_encode: backward ran twice through the same representations")
+        with torch.enable_grad():
+            backprop(units, [grad], opts)
+        return None, None, None
+
+
+def cached_encode(
+    model: nn.Module,
+    inputs: Any,
+    chunk_size: Optional[int] = None,
+    memory_budget: MemoryArg = None,
+    get_rep_fn: Optional[Callable[[Any], Tensor]] = None,
+    *,
+    split_input_fn: Optional[Callable[[Any, int], List[Any]]] = None,
+    autocast_dtype: Optional[torch.dtype] = None,
+    offload_inputs: bool = False,
+    offload_reps: bool = False,
+    ddp_sync: str = "last_chunk",
+    keep_last_graph: bool = False,
+) -> Tensor:
+    """Encode ``inputs`` in chunks; the result's backward re-runs the chunks (gradient caching).
+
+    Args:
+        model: the encoder (may be DDP-wrapped: gradients are all-reduced once, in the last chunk).
+        inputs: tensor, mapping (dict, BatchEncoding), list or tuple with batch dimension 0.
+        chunk_size: rows per chunk; ``None`` picks the largest chunk whose forward + backward fits
+            ``memory_budget`` (CUDA default: 90% of free memory; on CPU one of the two is required).
+        get_rep_fn: model output -> (rows, ...) representation; default: the output itself.
+        split_input_fn: custom ``(inputs, chunk_size) -> chunks``.
+        autocast_dtype: autocast dtype for both passes; ``None`` inherits the caller's autocast state.
+        offload_inputs / offload_reps / ddp_sync: as for :class:`~bigbatch.GradCache`.
+        keep_last_graph: keep the last chunk's graph until the backward (saves its re-run; costs its
+            activations during the caller's loss).
+
+    Returns:
+        (B, ...) representations with a ``grad_fn`` when grad mode is on and a parameter requires grad.
+    """
+    check_not_fsdp(model)
+    check_options(autocast_dtype, None, ddp_sync)
+    device = model_device(model)
+    if autocast_dtype is None and torch.is_autocast_enabled(device.type):
+        autocast_dtype = torch.get_autocast_dtype(device.type)
+    get_rep = get_rep_fn or _identity
+    if offload_inputs:
+        inputs = pin(inputs)
+    b = batch_size(inputs)
+    budget = parse_memory(memory_budget)
+    if chunk_size is None:
+        budget = budget or default_budget(device)
+        module = model.module if is_ddp(model) else model
+        cost = _PROBER.cost(module, inputs, get_rep, _autocast(device, autocast_dtype), autocast_dtype)
+        chunk_size = cost.largest_chunk(int(budget * _BUDGET_FRACTION), b)
+    chunks = split_input_fn(inputs, chunk_size) if split_input_fn is not None else split_batch(inputs, chunk_size)
+    units = [Unit(0, model, c, batch_size(c, "a chunk of inputs")) for c in chunks]
+    opts = EngineOptions(get_rep, autocast_dtype, offload_inputs, offload_reps, ddp_sync)
+    needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
+    if not needs_grad:
+        with torch.no_grad():
+            return encode(units, opts, 1)[0]
+    units[-1].keep = keep_last_graph
+    finalize_plan(units, ddp_sync)
+    anchor = torch.empty(0, device=device, requires_grad=True)
+    return _CachedEncode.apply(anchor, units, opts)

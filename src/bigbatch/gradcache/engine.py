@@ -1,0 +1,155 @@
+"""The two passes of gradient caching over a list of chunk units.
+
+Pass 1 (``encode``): every chunk runs without a graph; its random state is captured first.
+Chunks flagged ``keep`` (a suffix of the pass, chosen to fit the memory budget) run *with* a
+graph that is kept, so pass 2 only back-propagates them: it saves their second forward.
+
+Pass 2 (``backprop``): for each model (in order of first use), kept chunks are back-propagated
+first, then every other chunk is re-run under its replayed random state and autocast setting and
+back-propagated with its slice of the cached representation gradient. Parameter gradients
+accumulate in ``.grad``; the sum over chunks is exactly the full-batch gradient because the loss
+gradient w.r.t. each representation row was computed on the whole batch.
+
+DDP (``ddp_sync="last_chunk"``): every forward that builds a graph runs under ``no_sync``
+except the model's last re-run chunk, whose backward all-reduces the accumulated gradients
+once. DDP arms its gradient hooks in a synced forward, so a kept chunk (whose forward precedes
+other chunks' backwards) always runs under ``no_sync``; if that would leave a DDP model without
+a re-run chunk, its last chunk is not kept. Memory: one chunk's activations, plus kept graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .chunking import call_model, model_device, staged, tensor_leaves
+from .rng import RngState, cuda_devices_of
+from .wrappers import is_ddp, sync_context
+
+
+@dataclass
+class Unit:
+    """One chunk of one input: where it came from, and what pass 1 left for pass 2."""
+
+    input_index: int
+    model: nn.Module
+    chunk: Any
+    rows: int
+    keep: bool = False
+    rng: Optional[RngState] = None
+    kept_rep: Optional[Tensor] = None
+
+
+@dataclass
+class EngineOptions:
+    get_rep: Callable[[Any], Tensor]
+    autocast_dtype: Optional[torch.dtype] = None
+    offload_inputs: bool = False
+    offload_reps: bool = False
+    ddp_sync: str = "last_chunk"
+
+
+def _autocast(device: torch.device, dtype: Optional[torch.dtype]) -> Callable[[], Any]:
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _rep(opts: EngineOptions, model: nn.Module, chunk: Any, rows: int) -> Tensor:
+    rep = opts.get_rep(call_model(model, chunk))
+    if not isinstance(rep, Tensor):
+        raise TypeError(f"get_rep_fn must return a tensor, got {type(rep).__name__}; pass get_rep_fn=...")
+    if rep.dim() == 0 or rep.shape[0] != rows:
+        raise ValueError(f"the representation of a {rows}-row chunk has shape {tuple(rep.shape)}; "
+                         "dimension 0 must be the batch")
+    return rep
+
+
+def finalize_plan(units: Sequence[Unit], ddp_sync: str) -> None:
+    """Apply the DDP rules above to the ``keep`` flags (in place)."""
+    by_model: Dict[int, List[Unit]] = {}
+    for u in units:
+        by_model.setdefault(id(u.model), []).append(u)
+    for group in by_model.values():
+        if not is_ddp(group[0].model):
+            continue
+        if ddp_sync == "every_chunk":
+            for u in group:
+                u.keep = False
+        elif all(u.keep for u in group):
+            group[-1].keep = False
+
+
+def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Tensor]:
+    """Pass 1. Returns one detached (B_i, ...) representation tensor per input, on the model's device."""
+    per_input: List[List[Tensor]] = [[] for _ in range(n_inputs)]
+    for i in range(n_inputs):
+        mine = [u for u in units if u.input_index == i]
+        if not mine:
+            continue
+        device = model_device(mine[0].model)
+        amp = _autocast(device, opts.autocast_dtype)
+        params = [next(iter(mine[0].model.parameters()), None)]
+        for u, chunk in zip(mine, staged([u.chunk for u in mine], device, opts.offload_inputs)):
+            if u.keep:
+                with sync_context(u.model, sync=False)(), torch.enable_grad(), amp():
+                    rep = _rep(opts, u.model, chunk, u.rows)
+                u.kept_rep = rep
+                rep = rep.detach()
+            else:
+                u.rng = RngState(cuda_devices_of(tensor_leaves(chunk) + [p for p in params if p is not None]))
+                with torch.no_grad(), amp():
+                    rep = _rep(opts, u.model, chunk, u.rows)
+            per_input[i].append(rep.to("cpu", non_blocking=False) if opts.offload_reps else rep)
+    out = []
+    for i, reps in enumerate(per_input):
+        if not reps:
+            raise ValueError(f"input {i} produced no chunks")
+        rep = torch.cat(reps, dim=0) if len(reps) > 1 else reps[0]
+        if opts.offload_reps:
+            rep = rep.to(model_device(next(u.model for u in units if u.input_index == i)))
+        out.append(rep)
+    return out
+
+
+def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: EngineOptions) -> None:
+    """Pass 2. ``grads[i]`` is d(loss)/d(representation of input i), (B_i, ...), or ``None`` (no gradient)."""
+    slices: Dict[int, Tensor] = {}
+    offsets = [0] * len(grads)
+    for k, u in enumerate(units):
+        g = grads[u.input_index]
+        if g is not None:
+            g = g[offsets[u.input_index] : offsets[u.input_index] + u.rows]
+            slices[k] = g.to("cpu") if opts.offload_reps else g
+        offsets[u.input_index] += u.rows
+    order: Dict[int, List[int]] = {}
+    for k, u in enumerate(units):
+        order.setdefault(id(u.model), []).append(k)
+    for ks in order.values():
+        kept = [k for k in ks if units[k].keep]
+        rerun = [k for k in ks if not units[k].keep and k in slices]
+        for k in kept:
+            u = units[k]
+            rep, u.kept_rep = u.kept_rep, None
+            if k in slices:
+                with sync_context(u.model, sync=False)():
+                    torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype))
+            del rep
+        if not rerun:
+            continue
+        model = units[rerun[0]].model
+        device = model_device(model)
+        amp = _autocast(device, opts.autocast_dtype)
+        for n, (k, chunk) in enumerate(zip(rerun, staged([units[k].chunk for k in rerun], device, opts.offload_inputs))):
+            u = units[k]
+            last = n == len(rerun) - 1
+            sync = last or opts.ddp_sync == "every_chunk"
+            with sync_context(u.model, sync=sync)():
+                with torch.enable_grad(), u.rng.replay(), amp():
+                    rep = _rep(opts, u.model, chunk, u.rows)
+                torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype))
+            del rep

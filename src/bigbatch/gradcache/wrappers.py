@@ -1,0 +1,58 @@
+"""What GradCache must know about distributed wrappers: DDP (supported, one sync per step) and
+FSDP (refused, with the reason)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+DDP_SYNC_MODES = ("last_chunk", "every_chunk")
+
+_FSDP_WHY = (
+    "GradCache does not support FSDP-wrapped modules ({name}). Gradient caching runs every chunk's "
+    "forward twice and its backward once per chunk; under FSDP each re-run backward reduce-scatters "
+    "and reshards the gradients per chunk, and accumulating them without sync (FSDP no_sync / "
+    "set_requires_gradient_sync(False)) keeps unsharded gradients for the whole model, which is "
+    "neither the memory FSDP promises nor a path whose gradients bigbatch has verified against a "
+    "full batch. Rather than risk silently wrong gradients, wrap the encoder in "
+    "torch.nn.parallel.DistributedDataParallel (one all-reduce per cached step) or use "
+    "gradient checkpointing inside the FSDP model without GradCache."
+)
+
+
+def is_ddp(model: nn.Module) -> bool:
+    return isinstance(model, DistributedDataParallel)
+
+
+def check_not_fsdp(model: nn.Module) -> None:
+    """Raise ``NotImplementedError`` (with the reason) if ``model`` or a submodule is FSDP-wrapped."""
+    kinds = []
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        kinds.append(FullyShardedDataParallel)
+    except ImportError:  # pragma: no cover - builds without distributed
+        pass
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        kinds.append(FSDPModule)
+    except ImportError:  # pragma: no cover - torch < 2.6
+        pass
+    if not kinds:
+        return
+    kinds_t = tuple(kinds)
+    for m in model.modules():
+        if isinstance(m, kinds_t):
+            raise NotImplementedError(_FSDP_WHY.format(name=type(m).__name__))
+
+
+def sync_context(model: nn.Module, sync: bool) -> Callable[[], ContextManager]:
+    """A context factory: ``model.no_sync`` for a DDP model whose gradients must not be
+    all-reduced in this backward, else a null context."""
+    if is_ddp(model) and not sync:
+        return model.no_sync
+    return contextlib.nullcontext
