@@ -17,17 +17,23 @@ from torch import Tensor
 
 from .base import compute_dtype
 
-# Elements of one logits tile chosen automatically: 64 MiB of fp32 on a GPU (big
-# matmuls, few launches), 4 MiB on a CPU (stays in cache, bounded RSS).
-_AUTO_TILE_ELEMENTS = {"cuda": 1 << 24, "cpu": 1 << 20}
+# Workspace of one tile step chosen automatically: 256 MiB on a GPU (big matmuls, few
+# launches), 16 MiB on a CPU (near the caches, bounded RSS).
+_AUTO_WORKSPACE_BYTES = {"cuda": 256 << 20, "cpu": 16 << 20}
 
 
-def auto_tile(b: int, n: int, device: torch.device) -> Tuple[int, int]:
-    """A near-square tile of at most ``_AUTO_TILE_ELEMENTS`` logits, clipped to the problem."""
-    budget = _AUTO_TILE_ELEMENTS.get(device.type, 1 << 22)
-    side = math.isqrt(budget)
+def auto_tile(b: int, n: int, d: int, dtype: torch.dtype, device: torch.device) -> Tuple[int, int]:
+    """A near-square (rows, cols) tile whose workspace fits the device's budget.
+
+    Workspace of one step, in compute-dtype elements: ~3 rows x cols tiles (logits, their
+    exponentials, the gradient tile) plus the upcast q and k blocks, (rows + cols) x d.
+    """
+    budget = _AUTO_WORKSPACE_BYTES.get(device.type, 64 << 20) // compute_dtype(dtype).itemsize
+    # Largest side with 3*side^2 + 2*d*side <= budget.
+    side = int((-2 * d + math.sqrt(4 * d * d + 12 * budget)) / 6)
+    side = max(16, side)
     rows = max(1, min(b, side))
-    cols = max(1, min(n, budget // rows))
+    cols = max(1, min(n, (budget - rows * d) // (3 * rows + d)))
     return rows, cols
 
 
@@ -57,14 +63,14 @@ class TorchTiles:
     def supports(self, device: torch.device) -> bool:
         return True
 
-    def _tiles(self, b: int, n: int, device: torch.device) -> Tuple[int, int]:
-        rows, cols = auto_tile(b, n, device)
+    def _tiles(self, q: Tensor, k: Tensor) -> Tuple[int, int]:
+        rows, cols = auto_tile(q.shape[0], k.shape[0], q.shape[1], q.dtype, q.device)
         return self.tile_rows or rows, self.tile_cols or cols
 
     def lse(self, q: Tensor, k: Tensor, scale: Tensor, *, rows: bool, cols: bool):
         ct = compute_dtype(q.dtype)
         b, n = q.shape[0], k.shape[0]
-        tr, tc = self._tiles(b, n, q.device)
+        tr, tc = self._tiles(q, k)
         lse_row = q.new_full((b,), -math.inf, dtype=ct) if rows else None
         lse_col = q.new_full((n,), -math.inf, dtype=ct) if cols else None
         for rs in _blocks(b, tr):
@@ -94,7 +100,7 @@ class TorchTiles:
     def _accumulate_grad(self, q, k, scale, lse_row, lse_col, g_row, g_col, dq, dk, use_rows, use_cols):
         """dq += dS @ k and dk += dS.T @ q (unscaled), recomputing each tile once."""
         ct = dq.dtype
-        tr, tc = self._tiles(q.shape[0], k.shape[0], q.device)
+        tr, tc = self._tiles(q, k)
         for rs in _blocks(q.shape[0], tr):
             qi = q[rs].to(ct)
             for cs in _blocks(k.shape[0], tc):
