@@ -1,0 +1,270 @@
+"""Fused Triton tile backend (``backend="triton"``): the :class:`~bigbatch.backends.base.TileBackend`
+protocol on CUDA GPUs (and on the CPU under ``TRITON_INTERPRET=1``, for tests).
+
+* ``lse``: one kernel pass over all tiles (:mod:`.triton_softmax_fwd`) gives the row and the
+  column LSE together; ``2*B*N*D`` FLOPs; workspace ``4*(CG*B + RG*N)`` bytes of partial LSEs.
+* ``lse_grad``: super-tiles of at most 16 Mi logits (:mod:`.triton_softmax_bwd`): one kernel
+  recomputes the tile and writes dS into a bounded workspace, two matmul kernels accumulate
+  ``dS @ k`` and ``dS.T @ q`` in fp32; ``6*B*N*D`` FLOPs. Memory: the fp32 ``dq``
+  accumulator (B x D), one fp32 ``dk`` accumulator per key super-block (TN x D), the dS
+  workspace (32 MiB bf16 / 64 MiB fp32) and the outputs.
+
+Precision: bf16/fp16 operands on tensor cores with fp32 accumulation (the dS workspace is
+bf16 for both: its exponent range keeps tiny probabilities times tiny upstream gradients);
+fp32 operands with TF32 (``precision="tf32"``, default) or exact fp32 (``"ieee"``). All
+softmax arithmetic is fp32. float64 is not supported (use ``backend="torch"``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+import triton
+import triton.language as tl
+
+from . import triton_interpreted
+from .base import compute_dtype
+from .triton_softmax_bwd import dlogits_kernel, matmul_acc_kernel
+from .triton_softmax_fwd import lse_fwd_kernel
+
+_PRECISIONS = ("tf32", "ieee")
+_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
+_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+_LN2 = math.log(2.0)
+
+
+@dataclass(frozen=True)
+class _Config:
+    """Block shapes and launch settings for one (dtype, device) pair."""
+
+    block_m: int
+    block_n: int
+    block_d: int
+    warps: int
+    stages: int
+    mm_block_m: int
+    mm_block_n: int
+    mm_block_k: int
+    mm_warps: int
+    mm_stages: int
+    super_rows: int
+    super_cols: int
+    programs: int  # forward grid size to aim for
+
+
+def _gpu_config(dtype: torch.dtype, device: torch.device) -> _Config:
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    half = dtype != torch.float32
+    return _Config(
+        block_m=128, block_n=128, block_d=64 if half else 32, warps=8, stages=3,
+        mm_block_m=128, mm_block_n=128, mm_block_k=64 if half else 32, mm_warps=8, mm_stages=4 if half else 3,
+        super_rows=4096, super_cols=4096, programs=2 * sms,
+    )
+
+
+def _interpreter_config() -> _Config:
+    # Small blocks: the interpreter runs programs one by one in numpy.
+    return _Config(
+        block_m=32, block_n=32, block_d=16, warps=4, stages=1,
+        mm_block_m=32, mm_block_n=32, mm_block_k=32, mm_warps=4, mm_stages=1,
+        super_rows=64, super_cols=48, programs=4,
+    )
+
+
+def _split(n_blocks: int, groups: int) -> Tuple[int, int]:
+    """``(blocks_per_group, groups)`` with every group non-empty."""
+    groups = max(1, min(groups, n_blocks))
+    per = -(-n_blocks // groups)
+    return per, -(-n_blocks // per)
+
+
+@dataclass(frozen=True)
+class TritonTiles:
+    """Fused Triton kernels for the tiled LSE statistics and their gradients.
+
+    Args:
+        precision: dot precision for float32 inputs, ``"tf32"`` (default) or ``"ieee"``
+            (exact fp32); half inputs always use tensor cores with fp32 accumulation.
+        block_m, block_n, block_d: override the logits tile (rows, columns, D chunk); powers
+            of two >= 16. ``None``: tuned defaults for the device.
+        super_tile: override ``(rows, cols)`` of the backward's dS workspace.
+        tune: override any other launch setting by its :class:`_Config` field name
+            (``warps``, ``stages``, ``mm_block_m``, ...), for tuning runs.
+    """
+
+    precision: str = "tf32"
+    block_m: Optional[int] = None
+    block_n: Optional[int] = None
+    block_d: Optional[int] = None
+    super_tile: Optional[Tuple[int, int]] = None
+    tune: Optional[Dict[str, int]] = field(default=None, compare=False, hash=False)
+    name: str = "triton"
+
+    def __post_init__(self) -> None:
+        if self.precision not in _PRECISIONS:
+            raise ValueError(f"TritonTiles: precision must be one of {_PRECISIONS}, got {self.precision!r}")
+        for arg in ("block_m", "block_n", "block_d"):
+            v = getattr(self, arg)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 16 or v & (v - 1)):
+                raise ValueError(f"TritonTiles: {arg} must be a power of two >= 16 or None, got {v!r}")
+        st = self.super_tile
+        if st is not None and not (
+            isinstance(st, tuple) and len(st) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in st)
+        ):
+            raise ValueError(f"TritonTiles: super_tile must be a (rows, cols) tuple of positive ints or None, got {st!r}")
+        unknown = set(self.tune or {}) - set(_Config.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"TritonTiles: unknown tune keys {sorted(unknown)}; known: {sorted(_Config.__dataclass_fields__)}")
+
+    # ------------------------------------------------------------------ helpers
+    def supports(self, device: torch.device) -> bool:
+        device = torch.device(device)
+        return device.type == "cuda" or (device.type == "cpu" and triton_interpreted())
+
+    def _config(self, dtype: torch.dtype, device: torch.device) -> _Config:
+        base = _gpu_config(dtype, device) if device.type == "cuda" else _interpreter_config()
+        over = dict(self.tune or {})
+        if self.block_m:
+            over["block_m"] = self.block_m
+        if self.block_n:
+            over["block_n"] = self.block_n
+        if self.block_d:
+            over["block_d"] = self.block_d
+        if self.super_tile:
+            over["super_rows"], over["super_cols"] = self.super_tile
+        return _Config(**{**base.__dict__, **over})
+
+    def _check(self, q: Tensor, k: Tensor, scale: Tensor) -> None:
+        if q.dtype not in _SUPPORTED:
+            raise TypeError(
+                f"backend='triton' supports float16, bfloat16 and float32 features, got {q.dtype}; "
+                f"use backend='torch' for float64"
+            )
+        if k.dtype != q.dtype:
+            raise TypeError(f"backend='triton': q and k must share a dtype, got {q.dtype} and {k.dtype}")
+        if q.dim() != 2 or k.dim() != 2 or q.shape[1] != k.shape[1]:
+            raise ValueError(f"backend='triton': q (B, D) and k (N, D) expected, got {tuple(q.shape)} and {tuple(k.shape)}")
+        if not self.supports(q.device) or k.device != q.device or scale.device != q.device:
+            raise ValueError(
+                f"backend='triton' needs q, k and scale on one CUDA device (or the CPU with TRITON_INTERPRET=1), "
+                f"got {q.device}, {k.device}, {scale.device}"
+            )
+
+    def _dot(self, dtype: torch.dtype, device: torch.device) -> Tuple[tl.dtype, str]:
+        """Operand dtype and input precision for the dots."""
+        if device.type != "cuda":
+            # The interpreter's bf16 dot is wrong; fp32 dots of up-cast operands are exact.
+            return tl.float32, "ieee"
+        if dtype == torch.float32:
+            return tl.float32, self.precision
+        return _TL_DTYPE[dtype], "tf32"
+
+    # ------------------------------------------------------------------ forward
+    def lse(self, q: Tensor, k: Tensor, scale: Tensor, *, rows: bool, cols: bool):
+        self._check(q, k, scale)
+        ct = compute_dtype(q.dtype)
+        b, n = q.shape[0], k.shape[0]
+        if not (rows or cols):
+            return None, None
+        if b == 0 or n == 0:
+            raise ValueError(f"backend='triton': empty q or k ({b} x {n})")
+        q, k = q.contiguous(), k.contiguous()
+        scale = scale.reshape(()).to(torch.float32).contiguous()
+        cfg = self._config(q.dtype, q.device)
+        dot_dtype, precision = self._dot(q.dtype, q.device)
+        n_rb = triton.cdiv(b, cfg.block_m)
+        n_cb = triton.cdiv(n, cfg.block_n)
+        rg_target = max(1, math.isqrt(cfg.programs))
+        rpg, rg = _split(n_rb, rg_target)
+        cpg, cg = _split(n_cb, max(1, cfg.programs // rg))
+        # Partial LSEs in base 2. row_part: every entry is written; col_part: merged into, so -inf.
+        row_part = torch.empty((cg, b), dtype=torch.float32, device=q.device) if rows else scale
+        col_part = torch.full((rg, n), -math.inf, dtype=torch.float32, device=q.device) if cols else scale
+        lse_fwd_kernel[(rg, cg)](
+            q, k, scale, row_part, col_part,
+            b, n, q.shape[1], q.stride(0), k.stride(0),
+            rpg, cpg,
+            ROWS=rows, COLS=cols,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
+            DOT_DTYPE=dot_dtype, PRECISION=precision,
+            num_warps=cfg.warps, num_stages=cfg.stages,
+        )
+        lse_row = torch.logsumexp(row_part.mul_(_LN2), dim=0).to(ct) if rows else None
+        lse_col = torch.logsumexp(col_part.mul_(_LN2), dim=0).to(ct) if cols else None
+        return lse_row, lse_col
+
+    # ------------------------------------------------------------------ backward
+    def lse_grad(self, q, k, scale, lse_row, lse_col, g_row, g_col, *, grad_dtype=None):
+        self._check(q, k, scale)
+        ct = compute_dtype(q.dtype)
+        grad_dtype = grad_dtype or q.dtype
+        b, n, d = q.shape[0], k.shape[0], q.shape[1]
+        use_rows = lse_row is not None and g_row is not None
+        use_cols = lse_col is not None and g_col is not None
+        dq_acc = torch.zeros((b, d), dtype=torch.float32, device=q.device)
+        dk = torch.empty((n, d), dtype=grad_dtype, device=k.device)
+        d_scale = torch.zeros((), dtype=torch.float32, device=q.device)
+        if not (use_rows or use_cols) or b == 0 or n == 0:
+            dk.zero_()
+            return dq_acc.to(grad_dtype), dk, d_scale.to(ct)
+        q, k = q.contiguous(), k.contiguous()
+        scale = scale.reshape(()).to(torch.float32).contiguous()
+        f32 = dict(dtype=torch.float32, device=q.device)
+        lse_row = lse_row.to(**f32).contiguous() if use_rows else scale
+        g_row = g_row.to(**f32).contiguous() if use_rows else scale
+        lse_col = lse_col.to(**f32).contiguous() if use_cols else scale
+        g_col = g_col.to(**f32).contiguous() if use_cols else scale
+
+        cfg = self._config(q.dtype, q.device)
+        dot_dtype, precision = self._dot(q.dtype, q.device)
+        ws_dtype = torch.float32 if (q.dtype == torch.float32 or q.device.type != "cuda") else torch.bfloat16
+        mm_dtype = tl.float32 if ws_dtype == torch.float32 else tl.bfloat16
+        mm_precision = precision if q.dtype == torch.float32 else ("ieee" if q.device.type != "cuda" else "tf32")
+        tm, tn = min(cfg.super_rows, b), min(cfg.super_cols, n)
+        ws = torch.empty((tm, tn), dtype=ws_dtype, device=q.device)
+        dk_acc = torch.empty((tn, d), dtype=torch.float32, device=q.device)
+
+        def matmul_acc(a: Tensor, bm: Tensor, c: Tensor) -> None:
+            """c += a @ bm (c fp32, contiguous rows)."""
+            m_, k_ = a.shape
+            n_ = bm.shape[1]
+            grid = (triton.cdiv(m_, cfg.mm_block_m) * triton.cdiv(n_, cfg.mm_block_n),)
+            matmul_acc_kernel[grid](
+                a, bm, c, m_, n_, k_,
+                a.stride(0), a.stride(1), bm.stride(0), bm.stride(1), c.stride(0),
+                BLOCK_M=cfg.mm_block_m, BLOCK_N=cfg.mm_block_n, BLOCK_K=cfg.mm_block_k, GROUP_M=8,
+                DOT_DTYPE=mm_dtype, PRECISION=mm_precision,
+                num_warps=cfg.mm_warps, num_stages=cfg.mm_stages,
+            )
+
+        for j0 in range(0, n, tn):
+            nj = min(tn, n - j0)
+            kj = k[j0 : j0 + nj]
+            acc_j = dk_acc[:nj].zero_()
+            for i0 in range(0, b, tm):
+                ni = min(tm, b - i0)
+                qi = q[i0 : i0 + ni]
+                ws_ij = ws[:ni, :nj]
+                grid = (triton.cdiv(ni, cfg.block_m), triton.cdiv(nj, cfg.block_n))
+                dlogits_kernel[grid](
+                    qi, kj, scale,
+                    lse_row[i0:] if use_rows else scale, lse_col[j0:] if use_cols else scale,
+                    g_row[i0:] if use_rows else scale, g_col[j0:] if use_cols else scale,
+                    ws_ij, ni, nj, d, qi.stride(0), kj.stride(0), ws_ij.stride(0),
+                    HAS_ROW=use_rows, HAS_COL=use_cols,
+                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
+                    DOT_DTYPE=dot_dtype, PRECISION=precision,
+                    num_warps=cfg.warps, num_stages=cfg.stages,
+                )
+                matmul_acc(ws_ij, kj, dq_acc[i0 : i0 + ni])  # dq_i += dS @ k_j
+                matmul_acc(ws_ij.t(), qi, acc_j)  # dk_j += dS.T @ q_i
+            # d_scale = sum_ij dS_ij (q_i . k_j) = sum_j k_j . (dS.T @ q)_j: O(nj*D), no tile pass.
+            d_scale += torch.dot(kj.reshape(-1).to(torch.float32), acc_j.reshape(-1))
+            dk[j0 : j0 + nj] = acc_j.mul_(scale).to(grad_dtype)
+        dq = dq_acc.mul_(scale).to(grad_dtype)
+        return dq, dk, d_scale.to(ct)

@@ -1,0 +1,96 @@
+"""Backward Triton kernels: the logits gradient of one super-tile, and the two products.
+
+For a super-tile of ``TM`` query rows x ``TN`` key rows (``TM * TN`` <= 16 Mi elements):
+
+1. :func:`dlogits_kernel` recomputes ``S = scale * q_i @ k_j.T`` tile by tile (the same
+   D-chunked dot as the forward) and writes
+   ``dS = g_row * exp(S - lse_row) + g_col * exp(S - lse_col)`` into a bounded workspace
+   (bf16 for half inputs: 32 MiB; fp32 for fp32 inputs: 64 MiB). FLOPs ``2*TM*TN*D``.
+2. :func:`matmul_acc_kernel` twice: ``dq_acc[i] += dS @ k_j`` and ``dk_acc[j] += dS.T @ q_i``,
+   fp32 accumulators, operands on tensor cores. FLOPs ``4*TM*TN*D``.
+
+Each step is compute-bound (2*D FLOPs per workspace element written or read: 1024 per
+2 bytes at D = 512, above the H200's ~200 FLOP/byte balance point), and the workspace is
+mostly L2-resident between the writer and the readers. Total backward work: ``6*B*N*D``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_softmax_fwd import LOG2E, _tile_logits2
+
+
+@triton.jit
+def dlogits_kernel(
+    q_ptr, k_ptr, scale_ptr, lse_row_ptr, lse_col_ptr, g_row_ptr, g_col_ptr, ds_ptr,
+    TM, TN, D, stride_q, stride_k, stride_ds,
+    HAS_ROW: tl.constexpr, HAS_COL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``ds[r, c]`` for the ``TM x TN`` super-tile whose q, k, lse and g pointers are offset to
+    its first row / column. Entries outside ``TM x TN`` are not written."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < TM
+    cmask = cols < TN
+    scale2 = tl.load(scale_ptr).to(tl.float32) * LOG2E
+    s2 = _tile_logits2(
+        q_ptr, k_ptr, rows, cols, rmask, cmask, D, stride_q, stride_k, scale2,
+        BLOCK_M, BLOCK_N, BLOCK_D, DOT_DTYPE, PRECISION,
+    )
+    ds = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_ROW:
+        lse_r = tl.load(lse_row_ptr + rows, mask=rmask, other=0.0) * LOG2E
+        g_r = tl.load(g_row_ptr + rows, mask=rmask, other=0.0)
+        ds += tl.exp2(s2 - lse_r[:, None]) * g_r[:, None]
+    if HAS_COL:
+        lse_c = tl.load(lse_col_ptr + cols, mask=cmask, other=0.0) * LOG2E
+        g_c = tl.load(g_col_ptr + cols, mask=cmask, other=0.0)
+        ds += tl.exp2(s2 - lse_c[None, :]) * g_c[None, :]
+    out = ds_ptr + rows.to(tl.int64)[:, None] * stride_ds + cols[None, :]
+    tl.store(out, ds.to(ds_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def matmul_acc_kernel(
+    a_ptr, b_ptr, c_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``c[M, N] += a[M, K] @ b[K, N]`` with ``c`` fp32 (unit column stride) and fp32 accumulation;
+    ``a`` and ``b`` are cast to ``DOT_DTYPE`` for the dot (any strides, so ``a`` may be a
+    transposed view)."""
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped ordering: programs that run together share rows of a and columns of b in L2.
+    width = GROUP_M * grid_n
+    group_id = pid // width
+    first_m = group_id * GROUP_M
+    group_size = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_size
+    pid_n = (pid % width) // group_size
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = offs_m < M
+    nmask = offs_n < N
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
+    b_cols = b_ptr + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < K
+        a = tl.load(a_rows + offs_k[None, :] * stride_ak, mask=mmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(
+            b_cols + offs_k.to(tl.int64)[:, None] * stride_bk, mask=kmask[:, None] & nmask[None, :], other=0.0
+        )
+        acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision=PRECISION)
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    cmask = mmask[:, None] & nmask[None, :]
+    tl.store(c_ptrs, tl.load(c_ptrs, mask=cmask, other=0.0) + acc, mask=cmask)

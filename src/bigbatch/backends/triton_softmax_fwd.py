@@ -1,0 +1,106 @@
+"""Forward Triton kernel: row and column log-sum-exp of ``S = scale * q @ k.T`` in ONE pass.
+
+Grid and partials
+-----------------
+The (row-block x col-block) tile grid is cut into ``RG x CG`` rectangles, one program each
+(about two programs per SM). Program ``(rg, cg)`` walks its row blocks (outer loop) and, for
+each, its column blocks (inner loop):
+
+* row statistics of the current row block live in registers as a running ``(m, l)`` pair and
+  are written once per row block as a partial LSE into ``row_part[cg, rows]``;
+* column statistics are read-modify-written per tile in ``col_part[rg, cols]`` (a partial LSE
+  per (row group, column)); only this program touches that slice, so no atomics are needed.
+
+The host merges the ``CG`` (resp. ``RG``) partials with one ``torch.logsumexp``. Workspace:
+``4 * (CG * B + RG * N)`` bytes (32 MiB at B = N = 262144 with 16 x 16 groups); no B x N tensor.
+
+Numerics
+--------
+Everything after the dot is fp32 in base 2 (``s2 = S * log2(e)``, ``exp2``/``log2``), with a
+running max per row and a per-tile max per column, so logits of 1e4 stay exact. NaN
+propagates: even where ``tl.maximum`` drops a NaN, the NaN reaches the sum of ``exp2`` terms
+and, from there, the LSE. Masked rows/columns are set to ``-inf`` before each reduction;
+every valid row/column has at least one valid entry in every tile it meets, so no
+``-inf - -inf`` is ever formed for a stored value.
+
+FLOPs: ``2*B*N*D`` (the dots) plus two ``exp2`` per logit (one per direction).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tile_logits2(
+    q_ptr, k_ptr, rows, cols, rmask, cmask, D, stride_q, stride_k, scale2,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``scale * log2(e) * q[rows] @ k[cols].T`` as a fp32 (BLOCK_M, BLOCK_N) tile, D in chunks."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_q
+    k_rows = k_ptr + cols.to(tl.int64)[:, None] * stride_k
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        dmask = offs_d < D
+        a = tl.load(q_rows + offs_d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+        b = tl.load(k_rows + offs_d[None, :], mask=cmask[:, None] & dmask[None, :], other=0.0)
+        acc = tl.dot(a.to(DOT_DTYPE), tl.trans(b.to(DOT_DTYPE)), acc, input_precision=PRECISION)
+    return acc * scale2
+
+
+@triton.jit
+def lse_fwd_kernel(
+    q_ptr, k_ptr, scale_ptr, row_part_ptr, col_part_ptr,
+    B, N, D, stride_q, stride_k,
+    row_blocks_per_group, col_blocks_per_group,
+    ROWS: tl.constexpr, COLS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Partial base-2 LSEs: ``row_part[cg, i]`` over the columns of group cg and
+    ``col_part[rg, j]`` over the rows of group rg (``col_part`` must start at -inf)."""
+    rg = tl.program_id(0)
+    cg = tl.program_id(1)
+    scale2 = tl.load(scale_ptr).to(tl.float32) * LOG2E
+    n_row_blocks = tl.cdiv(B, BLOCK_M)
+    n_col_blocks = tl.cdiv(N, BLOCK_N)
+    rb_start = rg * row_blocks_per_group
+    rb_end = tl.minimum(rb_start + row_blocks_per_group, n_row_blocks)
+    cb_start = cg * col_blocks_per_group
+    cb_end = tl.minimum(cb_start + col_blocks_per_group, n_col_blocks)
+    neg_inf = float("-inf")
+    for rb in range(rb_start, rb_end):
+        rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < B
+        m_row = tl.full((BLOCK_M,), neg_inf, dtype=tl.float32)
+        l_row = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for cb in range(cb_start, cb_end):
+            cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
+            cmask = cols < N
+            s2 = _tile_logits2(
+                q_ptr, k_ptr, rows, cols, rmask, cmask, D, stride_q, stride_k, scale2,
+                BLOCK_M, BLOCK_N, BLOCK_D, DOT_DTYPE, PRECISION,
+            )
+            if ROWS:
+                s_r = tl.where(cmask[None, :], s2, neg_inf)
+                m_new = tl.maximum(m_row, tl.max(s_r, axis=1))
+                l_row = l_row * tl.exp2(m_row - m_new) + tl.sum(tl.exp2(s_r - m_new[:, None]), axis=1)
+                m_row = m_new
+            if COLS:
+                s_c = tl.where(rmask[:, None], s2, neg_inf)
+                m_col = tl.max(s_c, axis=0)
+                tile_lse = m_col + tl.log2(tl.sum(tl.exp2(s_c - m_col[None, :]), axis=0))
+                col_ptrs = col_part_ptr + rg.to(tl.int64) * N + cols
+                old = tl.load(col_ptrs, mask=cmask, other=neg_inf)
+                top = tl.maximum(old, tile_lse)
+                new = top + tl.log2(tl.exp2(old - top) + tl.exp2(tile_lse - top))
+                tl.store(col_ptrs, new, mask=cmask)
+                # The next read of this slice may come from another thread of the program.
+                tl.debug_barrier()
+        if ROWS:
+            tl.store(row_part_ptr + cg.to(tl.int64) * B + rows, m_row + tl.log2(l_row), mask=rmask)

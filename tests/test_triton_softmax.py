@@ -1,0 +1,311 @@
+"""The fused Triton backend against float64 references.
+
+On the CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by conftest) at
+small shapes with small blocks, so several tiles, groups and super-tiles, masked tails and D
+chunks are all exercised. Tests marked ``gpu`` run the real kernels (tuned blocks, bf16 on
+tensor cores) on a CUDA device against the issue's tolerances.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import bigbatch
+from bigbatch import reference
+from bigbatch.backends import resolve_backend
+
+triton = pytest.importorskip("triton")
+from bigbatch.backends.triton_softmax import TritonTiles  # noqa: E402
+
+from helpers import assert_rel, features, rel_err  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Small tiles on the CPU: several row/col blocks, groups and D chunks at B <= 70.
+SMALL = dict(block_m=16, block_n=16, block_d=16, super_tile=(40, 24))
+
+
+def _ref_stats(q, k, s):
+    logits = s * (q.double() @ k.double().t())
+    return logits, logits.logsumexp(1), logits.logsumexp(0)
+
+
+def _ref_grad(q, k, s, g_row, g_col):
+    logits, lr, lc = _ref_stats(q, k, s)
+    ds = torch.zeros_like(logits)
+    if g_row is not None:
+        ds += torch.exp(logits - lr[:, None]) * g_row.double()[:, None]
+    if g_col is not None:
+        ds += torch.exp(logits - lc[None, :]) * g_col.double()[None, :]
+    qk = q.double() @ k.double().t()
+    return s * ds @ k.double(), s * ds.t() @ q.double(), (ds * qk).sum()
+
+
+def _tol(dtype):
+    return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+
+
+def _data(b, n, d, dtype, seed=0, normalize=True):
+    q = features(b, d, dtype=dtype, device=DEVICE, seed=seed, normalize=normalize).detach()
+    k = features(n, d, dtype=dtype, device=DEVICE, seed=seed + 1, normalize=normalize).detach()
+    return q, k
+
+
+# ----------------------------------------------------------------------------- interpreter (CPU) tests
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("b,n,d", [(70, 70, 40), (33, 17, 7), (1, 5, 1), (48, 64, 32)])
+def test_lse_both_directions(dtype, b, n, d):
+    q, k = _data(b, n, d, dtype, seed=b + n + d)
+    s = torch.tensor(7.5, device=DEVICE)
+    lr, lc = TritonTiles(precision="ieee", **SMALL).lse(q, k, s, rows=True, cols=True)
+    _, ref_r, ref_c = _ref_stats(q, k, 7.5)
+    assert lr.dtype == lc.dtype == torch.float32
+    assert_rel(lr, ref_r, 1e-6, "lse_row")
+    assert_rel(lc, ref_c, 1e-6, "lse_col")
+
+
+@pytest.mark.parametrize("rows,cols", [(True, False), (False, True)])
+def test_lse_one_direction(rows, cols):
+    q, k = _data(21, 50, 19, torch.float32)
+    s = torch.tensor(2.0, device=DEVICE)
+    lr, lc = TritonTiles(**SMALL).lse(q, k, s, rows=rows, cols=cols)
+    _, ref_r, ref_c = _ref_stats(q, k, 2.0)
+    assert (lr is None) != rows and (lc is None) != cols
+    if rows:
+        assert_rel(lr, ref_r, 1e-6, "lse_row")
+    if cols:
+        assert_rel(lc, ref_c, 1e-6, "lse_col")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("which", ["both", "rows", "cols"])
+def test_lse_grad(dtype, which):
+    b, n, d = 45, 53, 21
+    q, k = _data(b, n, d, dtype, seed=3)
+    s = torch.tensor(5.0, device=DEVICE)
+    be = TritonTiles(precision="ieee", **SMALL)
+    lr, lc = be.lse(q, k, s, rows=True, cols=True)
+    g = torch.Generator().manual_seed(1)
+    g_row = torch.rand(b, generator=g).to(DEVICE) if which != "cols" else None
+    g_col = torch.rand(n, generator=g).to(DEVICE) if which != "rows" else None
+    dq, dk, d_s = be.lse_grad(q, k, s, lr, lc, g_row, g_col)
+    ref_dq, ref_dk, ref_ds = _ref_grad(q, k, 5.0, g_row, g_col)
+    assert dq.dtype == dk.dtype == dtype and d_s.dtype == torch.float32 and d_s.dim() == 0
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert_rel(dq, ref_dq, tol, "dq")
+    assert_rel(dk, ref_dk, tol, "dk")
+    assert_rel(d_s, ref_ds, 1e-5, "d_scale")
+    # grad_dtype=float32 (the ring's partial sums) gives the unrounded accumulators.
+    dq32, dk32, _ = be.lse_grad(q, k, s, lr, lc, g_row, g_col, grad_dtype=torch.float32)
+    assert dq32.dtype == dk32.dtype == torch.float32
+    assert_rel(dq32, ref_dq, 1e-5, "dq fp32")
+    assert_rel(dk32, ref_dk, 1e-5, "dk fp32")
+
+
+def test_lse_grad_no_direction_is_zero():
+    q, k = _data(9, 11, 5, torch.float32)
+    s = torch.tensor(1.0, device=DEVICE)
+    dq, dk, d_s = TritonTiles().lse_grad(q, k, s, None, None, None, None)
+    assert dq.shape == q.shape and dk.shape == k.shape
+    assert dq.abs().sum() == 0 and dk.abs().sum() == 0 and d_s.item() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_clip_loss_end_to_end(dtype):
+    b, d = 67, 37
+    q = features(b, d, dtype=dtype, device=DEVICE, seed=11)
+    k = features(b, d, dtype=dtype, device=DEVICE, seed=12)
+    scale = torch.tensor(math.log(1 / 0.07), device=DEVICE, requires_grad=True)
+    loss = bigbatch.clip_loss(q, k, scale.exp(), backend=TritonTiles(precision="ieee", **SMALL))
+    loss.backward()
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    s64 = scale.detach().double().requires_grad_()
+    ref = reference.clip_loss(q64, k64, s64.exp())
+    ref.backward()
+    tol = _tol(dtype)
+    assert_rel(loss, ref, 1e-6 if dtype == torch.float32 else 1e-3, "loss")
+    assert_rel(q.grad, q64.grad, tol, "d image")
+    assert_rel(k.grad, k64.grad, tol, "d text")
+    assert_rel(scale.grad, s64.grad, 1e-4 if dtype == torch.float32 else 1e-2, "d scale")
+
+
+def test_infonce_extra_keys_and_labels():
+    b, n, d = 23, 61, 13
+    q = features(b, d, device=DEVICE, seed=5)
+    k = features(n, d, device=DEVICE, seed=6)
+    labels = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:b].to(DEVICE)
+    out = bigbatch.infonce_loss(q, k, 9.0, labels=labels, reduction="none", backend=TritonTiles(**SMALL))
+    gout = torch.linspace(0.1, 2.0, b, device=DEVICE)
+    (out * gout).sum().backward()
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    ref = reference.infonce_per_row(q64, k64, 9.0, labels)
+    (ref * gout.double()).sum().backward()
+    assert_rel(out, ref, 1e-6, "per-row loss")
+    assert_rel(q.grad, q64.grad, 1e-5, "dq")
+    assert_rel(k.grad, k64.grad, 1e-5, "dk")
+
+
+def test_unnormalised_large_logits_exact():
+    # |logits| up to ~1e4: a running max is required, and fp32 keeps relative accuracy.
+    q, k = _data(40, 40, 24, torch.float32, seed=9, normalize=False)
+    q, k = q * 4, k * 4
+    q.requires_grad_(), k.requires_grad_()
+    loss = bigbatch.clip_loss(q, k, 100.0, backend=TritonTiles(precision="ieee", **SMALL))
+    loss.backward()
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    ref = reference.clip_loss(q64, k64, 100.0)
+    ref.backward()
+    assert torch.isfinite(loss) and torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+    assert_rel(loss, ref, 1e-5, "loss")
+    assert_rel(q.grad, q64.grad, 1e-3, "dq")
+    assert_rel(k.grad, k64.grad, 1e-3, "dk")
+
+
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_nan_propagates(where):
+    q, k = _data(30, 30, 9, torch.float32, seed=2)
+    (q if where == "q" else k)[17, 4] = float("nan")
+    q.requires_grad_(), k.requires_grad_()
+    be = TritonTiles(**SMALL)
+    lr, lc = be.lse(q.detach(), k.detach(), torch.tensor(3.0), rows=True, cols=True)
+    assert torch.isnan(lr).any() and torch.isnan(lc).any()
+    loss = bigbatch.clip_loss(q, k, 3.0, backend=be)
+    assert torch.isnan(loss)
+    loss.backward()
+    assert torch.isnan(q.grad).any() and torch.isnan(k.grad).any()
+
+
+def test_non_contiguous_inputs():
+    base_q, base_k = _data(44, 26, 30, torch.float32, seed=4)
+    q = base_q.t().contiguous().t()[::2]  # column-major, then every other row
+    k = base_k[:, ::2]  # strided columns
+    q2 = base_q[::2].contiguous()
+    s = torch.tensor(4.0, device=DEVICE)
+    be = TritonTiles(**SMALL)
+    lr, lc = be.lse(q[:, :15], k, s, rows=True, cols=True)
+    _, ref_r, ref_c = _ref_stats(q2[:, :15], k.contiguous(), 4.0)
+    assert_rel(lr, ref_r, 1e-6, "lse_row")
+    assert_rel(lc, ref_c, 1e-6, "lse_col")
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    b=st.integers(1, 50),
+    n=st.integers(1, 50),
+    d=st.integers(1, 40),
+    scale=st.floats(0.1, 60.0),
+    seed=st.integers(0, 2**16),
+)
+def test_property_random_shapes(b, n, d, scale, seed):
+    q, k = _data(b, n, d, torch.float32, seed=seed, normalize=seed % 2 == 0)
+    s = torch.tensor(scale, device=DEVICE)
+    be = TritonTiles(precision="ieee", block_m=16, block_n=16, block_d=16, super_tile=(32, 32))
+    lr, lc = be.lse(q, k, s, rows=True, cols=True)
+    _, ref_r, ref_c = _ref_stats(q, k, scale)
+    assert rel_err(lr, ref_r) <= 1e-5 and rel_err(lc, ref_c) <= 1e-5
+    g = torch.Generator().manual_seed(seed)
+    g_row, g_col = torch.randn(b, generator=g).to(DEVICE), torch.randn(n, generator=g).to(DEVICE)
+    dq, dk, d_s = be.lse_grad(q, k, s, lr, lc, g_row, g_col)
+    ref_dq, ref_dk, ref_ds = _ref_grad(q, k, scale, g_row, g_col)
+    # Gradients with signed upstream weights: compare against the reference's scale.
+    assert (dq.double() - ref_dq).abs().max() <= 1e-4 * (1 + ref_dq.abs().max())
+    assert (dk.double() - ref_dk).abs().max() <= 1e-4 * (1 + ref_dk.abs().max())
+    assert abs(d_s.item() - ref_ds.item()) <= 1e-4 * (1 + abs(ref_ds.item()))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="precision"):
+        TritonTiles(precision="fp8")
+    with pytest.raises(ValueError, match="block_m"):
+        TritonTiles(block_m=24)
+    with pytest.raises(ValueError, match="super_tile"):
+        TritonTiles(super_tile=(0, 4))
+    with pytest.raises(ValueError, match="tune"):
+        TritonTiles(tune={"nope": 1})
+    q, k = _data(4, 4, 3, torch.float64)
+    with pytest.raises(TypeError, match="float64"):
+        TritonTiles().lse(q, k, torch.tensor(1.0, dtype=torch.float64), rows=True, cols=False)
+    q32, k16 = _data(4, 4, 3, torch.float32)[0], _data(4, 4, 3, torch.float16)[1]
+    with pytest.raises(TypeError, match="dtype"):
+        TritonTiles().lse(q32, k16, torch.tensor(1.0), rows=True, cols=False)
+
+
+def test_registry_resolves_triton():
+    be = resolve_backend("triton", torch.device(DEVICE))
+    assert isinstance(be, TritonTiles) and be.supports(torch.device(DEVICE))
+
+
+# ----------------------------------------------------------------------------- real GPU tests
+GPU_CASES = [
+    # dtype, precision, loss tol, grad tol
+    (torch.bfloat16, "tf32", 1e-2, 1e-2),
+    (torch.float16, "tf32", 1e-2, 1e-2),
+    (torch.float32, "tf32", 2e-3, 2e-3),
+    (torch.float32, "ieee", 1e-5, 1e-5),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,precision,ltol,gtol", GPU_CASES)
+@pytest.mark.parametrize("b,d", [(4099, 512), (5000, 129), (3000, 768), (1000, 1280)])
+def test_gpu_clip_loss_vs_float64(dtype, precision, ltol, gtol, b, d):
+    q = features(b, d, dtype=dtype, device="cuda", seed=b)
+    k = features(b, d, dtype=dtype, device="cuda", seed=b + 1)
+    logit = torch.tensor(math.log(1 / 0.07), device="cuda", requires_grad=True)
+    # A small super-tile so that several dS workspaces, tails included, are used.
+    be = TritonTiles(precision=precision, super_tile=(1536, 2560))
+    loss = bigbatch.clip_loss(q, k, logit.exp(), backend=be)
+    loss.backward()
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    l64 = logit.detach().double().requires_grad_()
+    ref = reference.clip_loss(q64, k64, l64.exp())
+    ref.backward()
+    assert_rel(loss, ref, ltol, "loss")
+    assert_rel(q.grad, q64.grad, gtol, "d image")
+    assert_rel(k.grad, k64.grad, gtol, "d text")
+    assert_rel(logit.grad, l64.grad, gtol, "d logit_scale")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_unnormalised_scale_100(dtype):
+    q = features(4096, 512, dtype=dtype, device="cuda", seed=1, normalize=False)
+    k = features(4096, 512, dtype=dtype, device="cuda", seed=2, normalize=False)
+    loss = bigbatch.clip_loss(q, k, 100.0, backend="triton")
+    loss.backward()
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    ref = reference.clip_loss(q64, k64, 100.0)
+    ref.backward()
+    assert torch.isfinite(loss) and torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+    assert_rel(loss, ref, 1e-2, "loss")
+    if dtype != torch.float32:  # TF32 rounds logits of ~1e4 by ~5: near-ties move; half inputs are exact
+        assert_rel(q.grad, q64.grad, 1e-2, "d image")
+        assert_rel(k.grad, k64.grad, 1e-2, "d text")
+
+
+@pytest.mark.gpu
+def test_gpu_infonce_labels_and_nan():
+    b, n, d = 3000, 7001, 384
+    q = features(b, d, dtype=torch.bfloat16, device="cuda", seed=3)
+    k = features(n, d, dtype=torch.bfloat16, device="cuda", seed=4)
+    labels = torch.randperm(n, device="cuda")[:b]
+    loss = bigbatch.infonce_loss(q, k, 20.0, labels=labels, backend="triton")
+    loss.backward()
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    ref = reference.infonce_loss(q64, k64, 20.0, labels)
+    ref.backward()
+    assert_rel(loss, ref, 1e-2, "loss")
+    assert_rel(q.grad, q64.grad, 1e-2, "dq")
+    assert_rel(k.grad, k64.grad, 1e-2, "dk")
+    bad = q.detach().clone()
+    bad[123, 7] = float("nan")
+    assert torch.isnan(bigbatch.clip_loss(bad, k.detach()[:b], 20.0, backend="triton"))
+
+
+@pytest.mark.gpu
+def test_gpu_auto_picks_triton():
+    assert isinstance(resolve_backend("auto", torch.device("cuda")), TritonTiles)
