@@ -1,0 +1,136 @@
+"""The Triton sigmoid-loss kernel: under the interpreter on CPU (fp32/fp16: the interpreter's
+bf16 dot is not trustworthy) and, marked ``gpu``, on a real GPU with bf16/fp16/fp32."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import bigbatch
+from bigbatch import reference
+
+from helpers import assert_rel
+
+triton = pytest.importorskip("triton")
+
+from bigbatch.backends.triton_sigmoid import TritonSigmoid, mm_acc  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(b, d, dtype, seed, *, n_classes=None, scale=10.0, bias=-5.0, device=DEVICE, normalize=True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, d, generator=g, dtype=torch.float64)
+    if normalize:
+        q, k = q / q.norm(dim=1, keepdim=True), k / k.norm(dim=1, keepdim=True)
+    labels = None if n_classes is None else torch.randint(0, n_classes, (b,), generator=g).to(device)
+    q = q.to(device=device, dtype=dtype).requires_grad_()
+    k = k.to(device=device, dtype=dtype).requires_grad_()
+    log_scale = torch.tensor(math.log(scale), dtype=torch.float32, device=device, requires_grad=True)
+    bias_t = torch.tensor(bias, dtype=torch.float32, device=device, requires_grad=True)
+    return q, k, labels, log_scale, bias_t
+
+
+def _compare(backend, q, k, labels, log_scale, bias, tol):
+    loss = bigbatch.siglip_loss(q, k, log_scale.exp(), bias, labels=labels, backend=backend)
+    grads = torch.autograd.grad(loss, (q, k, log_scale, bias))
+    # float64 truth on the SAME (rounded) inputs: only the kernel's arithmetic is measured.
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    ls64, b64 = log_scale.detach().double().requires_grad_(), bias.detach().double().requires_grad_()
+    ref = reference.siglip_loss(q64, k64, ls64.exp(), b64, labels)
+    ref_g = torch.autograd.grad(ref, (q64, k64, ls64, b64))
+    assert_rel(loss, ref, tol, "loss")
+    for name, a, r in zip(("d image", "d text", "d log_scale", "d bias"), grads, ref_g):
+        assert_rel(a, r, tol, name)
+    assert grads[0].dtype == q.dtype and grads[1].dtype == k.dtype
+    return loss
+
+
+# ----------------------------------------------------------------------------- interpreter / any device
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("n_classes", [None, 4])
+def test_kernel_matches_float64_with_tails_and_workspace_tiles(dtype, tol, n_classes):
+    # b=45, d=19: tails in rows, columns and the D loop; 40x33 workspace tiles: diagonal offsets.
+    case = _case(45, 19, dtype, seed=1, n_classes=n_classes)
+    _compare(TritonSigmoid(tile_rows=40, tile_cols=33), *case, tol)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    b=st.integers(1, 70),
+    d=st.integers(1, 40),
+    n_classes=st.one_of(st.none(), st.integers(1, 6)),
+    scale=st.floats(0.5, 40.0),
+    bias=st.floats(-12.0, 12.0),
+    seed=st.integers(0, 2**16),
+)
+def test_property_kernel_fp32(b, d, n_classes, scale, bias, seed):
+    case = _case(b, d, torch.float32, seed, n_classes=n_classes, scale=scale, bias=bias)
+    _compare(TritonSigmoid(tile_rows=37, tile_cols=50), *case, 2e-5)
+
+
+def test_kernel_huge_logits_and_tiny_losses():
+    # |logits| ~ 1e4 (no overflow), then every pair right with a big margin (terms ~e^-30).
+    q, k, _, _, _ = _case(12, 8, torch.float32, seed=2)
+    k = q.detach().clone().requires_grad_()
+    out = bigbatch.siglip_loss(q, k, 1e4, 0.0, backend="triton")
+    ref = reference.siglip_loss(q.detach().double(), k.detach().double(), 1e4, 0.0)
+    assert math.isfinite(out.item()) and abs(out.item() - ref.item()) <= 1e-4 * ref.item()
+    g = torch.autograd.grad(out, (q, k))
+    assert all(torch.isfinite(x).all() for x in g)
+    eye = torch.eye(8, dtype=torch.float32, device=DEVICE)
+    tiny = bigbatch.siglip_loss(eye, eye.clone(), 60.0, -30.0, backend="triton")
+    ref_tiny = reference.siglip_loss(eye.double(), eye.double(), 60.0, -30.0)
+    assert ref_tiny.item() > 0 and abs(tiny.item() - ref_tiny.item()) <= 1e-5 * ref_tiny.item()
+
+
+def test_kernel_loss_only_pass_nan_and_errors():
+    q, k, _, ls, b = _case(30, 16, torch.float32, seed=3)
+    with torch.no_grad():
+        plain = bigbatch.siglip_loss(q, k, ls.exp(), b, backend="triton")
+    ref = reference.siglip_loss(q.detach().double(), k.detach().double(), ls.detach().double().exp(), b.detach().double())
+    assert_rel(plain, ref, 1e-5, "loss-only pass")
+    bad = q.detach().clone()
+    bad[3, 4] = float("nan")
+    assert math.isnan(bigbatch.siglip_loss(bad, k, 3.0, 0.0, backend="triton").item())
+    with pytest.raises(ValueError, match="float64"):
+        bigbatch.siglip_loss(q.detach().double(), k.detach().double(), 3.0, 0.0, backend="triton")
+    with pytest.raises(ValueError, match="fp32_precision"):
+        TritonSigmoid(fp32_precision="fast")
+
+
+def test_mm_acc_accumulates_in_fp32():
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(33, 70, generator=g).to(device=DEVICE, dtype=torch.float16)
+    b = torch.randn(70, 21, generator=g).to(device=DEVICE, dtype=torch.float16)
+    acc = torch.randn(33, 21, generator=g).to(DEVICE)
+    want = acc.double() + a.double() @ b.double()
+    mm_acc(acc, a, b)
+    assert_rel(acc, want, 1e-6, "acc += a @ b")
+
+
+# ----------------------------------------------------------------------------- real GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dtype,tol", [(torch.bfloat16, 1e-2), (torch.float16, 2e-3), (torch.float32, 1e-5)], ids=["bf16", "fp16", "fp32"]
+)
+@pytest.mark.parametrize("n_classes", [None, 50])
+def test_gpu_kernel_matches_float64(dtype, tol, n_classes):
+    case = _case(3001, 200, dtype, seed=5, n_classes=n_classes, scale=30.0, bias=-10.0, device="cuda")
+    _compare(TritonSigmoid(tile_rows=1024, tile_cols=2000), *case, tol)  # several workspace tiles, tails
+    _compare("auto", *case, tol)
+
+
+@pytest.mark.gpu
+def test_gpu_tf32_option_and_large_d():
+    case = _case(1500, 768, torch.float32, seed=6, device="cuda")
+    _compare(TritonSigmoid(fp32_precision="tf32"), *case, 5e-3)
