@@ -112,6 +112,12 @@ def check_group(group: object) -> Optional[object]:
 
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("group was given but torch.distributed is not initialised (call init_process_group first)")
+    if group is dist.GroupMember.NON_GROUP_MEMBER or (isinstance(group, int) and group == -100):
+        # what dist.new_group(ranks) returns on processes that are not in ranks
+        raise ValueError(
+            f"group: this process (global rank {dist.get_rank()}) is not a member of the given group; "
+            f"call the loss only on the group's members"
+        )
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
     return group

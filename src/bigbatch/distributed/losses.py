@@ -1,0 +1,180 @@
+"""CLIP and InfoNCE losses over a process group: cross-rank checks, then the ring (or gather).
+
+Returned values follow DESIGN.md section 2: each rank returns ``world_size`` times its
+share of the global loss (so the MEAN over ranks is the global loss), and its backward
+yields its share of every gradient, so that DDP-style averaging of parameter gradients
+over ranks gives exactly the single-process gradient over the whole batch, also with
+shards of different sizes. With ``reduction="none"`` the per-query losses of this rank's
+queries are returned as they are (they are the global loss's terms); their backward
+still sums over ranks, so under gradient averaging scale a sum of them by world_size.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..backends.base import TileBackend, compute_dtype
+from .gather import gather_with_grad
+from .ring import Ring, agree, dtype_code, offsets
+from .softmax import RingPlan, grad_chunk_rows, positive_index, ring_softmax_stats
+
+Backend = Union[str, TileBackend]
+
+_KIND = {"clip": 1.0, "infonce": 2.0}
+_REDUCTION = {"mean": 1.0, "sum": 2.0, "none": 3.0}
+
+
+def _local_label_error(labels: Optional[Tensor], b: int, n: int, device: torch.device) -> Tuple[Optional[str], float, float]:
+    """(message or None, min label, max label) for this rank's labels; never raises."""
+    if labels is None:
+        if n < b:
+            return (
+                f"labels=None pairs query i with key i of the same rank, so keys needs at least as many "
+                f"rows as queries on every rank ({b}), got {n}; pass labels (global key indices) instead",
+                0.0,
+                0.0,
+            )
+        return None, 0.0, 0.0
+    if not isinstance(labels, Tensor):
+        return f"labels must be a torch.Tensor of integer global key indices, got {type(labels).__name__}", 0.0, 0.0
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        return f"labels must have an integer dtype (e.g. torch.long), got {labels.dtype}", 0.0, 0.0
+    if labels.shape != (b,):
+        return f"labels must have shape ({b},) (one positive key per query), got {tuple(labels.shape)}", 0.0, 0.0
+    if labels.device != device:
+        return f"labels must be on the features' device {device}, got {labels.device}", 0.0, 0.0
+    lo, hi = torch.aminmax(labels)
+    return None, float(lo), float(hi)
+
+
+def _agree(ring: Ring, q: Tensor, k: Tensor, scale: Tensor, *, kind: str, reduction: str,
+           path: Backend, local_error: Optional[str], lo: float, hi: float, has_labels: bool) -> dict:
+    fields = {
+        "kind": _KIND[kind],
+        "reduction": _REDUCTION[reduction],
+        "path": 0.0 if isinstance(path, str) else 1.0,  # gather vs ring: different collectives
+        "dim": float(q.shape[1]),
+        "dtype": float(dtype_code(q.dtype)),
+        "scale": float(scale.detach()),
+        "q_rows": float(q.shape[0]),
+        "k_rows": float(k.shape[0]),
+        "has_labels": 1.0 if has_labels else 0.0,
+        "label_min": lo,
+        "label_max": hi,
+    }
+    table = agree(
+        ring,
+        q.device,
+        fields,
+        same=("kind", "reduction", "path", "dim", "dtype", "scale"),
+        local_error=local_error,
+        what=f"{kind}_loss(group=...)",
+    )
+    if "path" in table and len(set(table["path"])) > 1:  # pragma: no cover - agree() checks it
+        raise ValueError("backend must be 'reference' on all ranks or a tile backend on all ranks")
+    return table
+
+
+def _plan(ring: Ring, table: dict, q: Tensor, labels: Tensor, *, cols: bool, chunk: Optional[int]) -> RingPlan:
+    q_sizes = [int(v) for v in table["q_rows"]]
+    k_sizes = [int(v) for v in table["k_rows"]]
+    if cols:  # CLIP: every positive is in this rank's own block, no sync needed
+        rows: list = [None] * ring.world
+        cols_idx: list = [None] * ring.world
+        ar = torch.arange(q.shape[0], device=q.device)
+        rows[ring.rank], cols_idx[ring.rank] = ar, ar
+    else:
+        rows, cols_idx = positive_index(labels, k_sizes, ring.world)
+    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+        raise ValueError(f"grad_chunk must be a positive int or None, got {chunk!r}")
+    return RingPlan(ring, q_sizes, k_sizes, cols, rows, cols_idx, chunk or grad_chunk_rows(q.shape[1]))
+
+
+def ring_clip_loss(
+    image: Tensor, text: Tensor, scale: Tensor, *, group, backend: Backend, grad_chunk: Optional[int] = None
+) -> Tensor:
+    """Symmetric CLIP loss over the global batch of ``group``; see the module doc for semantics.
+
+    ``image``/``text``: this rank's shard (b_r x D each, same b_r; b_r may differ between ranks).
+    ``scale``: 0-d tensor in the compute dtype (may require grad). ``backend``: ``"reference"``
+    (gather-with-grad, full matrices) or a tile backend (the ring). ``grad_chunk``: rows/cols per
+    backward backend call (default: 32 MiB of fp32 gradient per call).
+    """
+    ring = Ring.of(group)
+    b, n = image.shape[0], text.shape[0]
+    err = None
+    if b != n:
+        err = (f"image_features and text_features must have the same number of rows on each rank "
+               f"(row i of one is the positive of row i of the other), got {b} and {n}")
+    table = _agree(ring, image, text, scale, kind="clip", reduction="mean", path=backend,
+                   local_error=err, lo=0.0, hi=0.0, has_labels=False)
+    sizes = [int(v) for v in table["q_rows"]]
+    total = sum(sizes)
+    start = offsets(sizes)[ring.rank]
+    if isinstance(backend, str):
+        ct = compute_dtype(image.dtype)
+        all_image = gather_with_grad(image, ring, sizes).to(ct)
+        all_text = gather_with_grad(text, ring, sizes).to(ct)
+        labels = torch.arange(start, start + b, device=image.device)
+        per_image = F.cross_entropy(scale * (image.to(ct) @ all_text.t()), labels, reduction="sum")
+        per_text = F.cross_entropy(scale * (text.to(ct) @ all_image.t()), labels, reduction="sum")
+        return (per_image + per_text) * (ring.world / (2.0 * total))
+    plan = _plan(ring, table, image, None, cols=True, chunk=grad_chunk)
+    lse_row, lse_col, pos = ring_softmax_stats(image, text, scale, plan, backend)
+    return (lse_row.sum() + lse_col.sum() - 2.0 * pos.sum()) * (ring.world / (2.0 * total))
+
+
+def ring_infonce_loss(
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    *,
+    labels: Optional[Tensor] = None,
+    reduction: str = "mean",
+    group,
+    backend: Backend,
+    grad_chunk: Optional[int] = None,
+) -> Tensor:
+    """InfoNCE over the global batch of ``group``: queries of every rank against keys of every rank.
+
+    ``labels`` (b_r,) index the GLOBAL key set (all ranks' keys in group-rank order); ``None``
+    pairs query i with key i of the same rank. ``reduction``: ``"mean"`` / ``"sum"`` return
+    world_size x this rank's share of the global mean / sum; ``"none"`` this rank's per-query losses.
+    """
+    ring = Ring.of(group)
+    b, n = q.shape[0], k.shape[0]
+    err, lo, hi = _local_label_error(labels, b, n, q.device)
+    table = _agree(ring, q, k, scale, kind="infonce", reduction=reduction, path=backend,
+                   local_error=err, lo=lo, hi=hi, has_labels=labels is not None)
+    k_sizes = [int(v) for v in table["k_rows"]]
+    n_total = sum(k_sizes)
+    bad = [r for r in range(ring.world)
+           if table["has_labels"][r] and (table["label_min"][r] < 0 or table["label_max"][r] >= n_total)]
+    if bad:
+        ranges = ", ".join(f"rank {r}: [{int(table['label_min'][r])}, {int(table['label_max'][r])}]" for r in bad)
+        raise ValueError(
+            f"infonce_loss(group=...): labels must index the global key set [0, {n_total}) "
+            f"(keys of all ranks in group-rank order), got values in {ranges}"
+        )
+    if labels is None:
+        start = offsets(k_sizes)[ring.rank]
+        labels = torch.arange(start, start + b, device=q.device)
+    labels = labels.long()
+    total_q = sum(int(v) for v in table["q_rows"])
+    if isinstance(backend, str):
+        ct = compute_dtype(q.dtype)
+        all_keys = gather_with_grad(k, ring, k_sizes).to(ct)
+        per_row = F.cross_entropy(scale * (q.to(ct) @ all_keys.t()), labels, reduction="none")
+    else:
+        plan = _plan(ring, table, q, labels, cols=False, chunk=grad_chunk)
+        lse_row, _, pos = ring_softmax_stats(q, k, scale, plan, backend)
+        per_row = lse_row - pos
+    if reduction == "none":
+        return per_row
+    if reduction == "sum":
+        return per_row.sum() * float(ring.world)
+    return per_row.sum() * (ring.world / float(total_q))

@@ -1,0 +1,191 @@
+"""Communication primitives for ring losses over ``torch.distributed``.
+
+Everything that talks to other ranks lives here; the loss Functions
+(:mod:`bigbatch.distributed.softmax`, the sigmoid ring) only call:
+
+* :meth:`Ring.of` -- a process group seen as a ring: this rank sends to ``next``
+  and receives from ``prev`` (group ranks mapped to global ranks, so any group
+  works, not only WORLD). Raises ``ValueError`` if this process is not a member.
+* :meth:`Ring.shift` -- post a batched ``isend`` of some tensors to ``next`` and
+  ``irecv`` of as many tensors from ``prev`` (one ``batch_isend_irecv`` call);
+  returns a :class:`Pending` whose ``wait()`` must be called before the received
+  tensors are read or the sent ones are overwritten or freed. Compute issued
+  between ``shift`` and ``wait`` overlaps the transfer (NCCL runs it on its own
+  stream; gloo on its own threads).
+* :func:`agree` -- one small ``all_gather`` of per-rank metadata (sizes, D,
+  dtype, flags, a scale value) so that every rank sees every rank's shard sizes,
+  and so that inconsistent or invalid input raises the SAME ``ValueError`` on
+  every rank instead of one rank raising while the others hang in a collective.
+* :func:`offsets` -- where each rank's shard starts in the global batch.
+
+Ring schedule used by the losses: at step ``t`` (0 <= t < world) the block this
+rank holds is the one owned by group rank ``ring.block_at(t) = (rank - t) % world``.
+Sending the block to ``next`` while computing on it means that after
+``world - 1`` shifts every rank has seen every block, one at a time: memory per
+rank is O(largest shard), never O(global batch x D).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["Pending", "Ring", "agree", "dtype_code", "offsets"]
+
+# Stable small integers for the dtypes a feature tensor may have (exchanged as metadata).
+_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A small integer naming ``dtype`` (0 for dtypes features may not have)."""
+    return _DTYPE_CODES.get(dtype, 0)
+
+
+def _dtype_name(code: float) -> str:
+    dt = _CODE_DTYPES.get(int(code))
+    return str(dt) if dt is not None else f"<unsupported dtype code {int(code)}>"
+
+
+class Pending:
+    """Outstanding transfers of one :meth:`Ring.shift`; ``wait()`` is idempotent.
+
+    Keeps references to the sent and received tensors until completion so the
+    caching allocator cannot recycle them while a transfer still reads or writes them.
+    """
+
+    def __init__(self, works: list, tensors: Sequence[Tensor], recv: List[Tensor]):
+        self._works = works
+        self._tensors = list(tensors)
+        self.recv = recv
+
+    def wait(self) -> List[Tensor]:
+        """Block (gloo) or make the current CUDA stream wait (NCCL); return the received tensors."""
+        for work in self._works:
+            work.wait()
+        self._works = []
+        self._tensors = []
+        return self.recv
+
+
+@dataclass(frozen=True)
+class Ring:
+    """A process group arranged as a ring of its members in group-rank order."""
+
+    group: object
+    rank: int  # this process's rank within ``group``
+    world: int  # number of members of ``group``
+    next_peer: int  # GLOBAL rank of group rank (rank + 1) % world
+    prev_peer: int  # GLOBAL rank of group rank (rank - 1) % world
+
+    @staticmethod
+    def of(group) -> "Ring":
+        """The ring of ``group`` (a ``ProcessGroup``); ``ValueError`` if this process is not in it."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("group was given but torch.distributed is not initialised (call init_process_group)")
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError(
+                f"this process (global rank {dist.get_rank()}) is not a member of the given group "
+                f"(members: global ranks {dist.get_process_group_ranks(group)}); call the loss only on members"
+            )
+        world = dist.get_world_size(group)
+        nxt = dist.get_global_rank(group, (rank + 1) % world)
+        prv = dist.get_global_rank(group, (rank - 1) % world)
+        return Ring(group, rank, world, nxt, prv)
+
+    def block_at(self, step: int) -> int:
+        """Group rank whose block this rank holds at ring step ``step``."""
+        return (self.rank - step) % self.world
+
+    def shift(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> Pending:
+        """Post ``send[i] -> next`` and ``prev -> recv[i]`` for all i, as one batch; don't wait.
+
+        ``recv[i]`` must be preallocated with the shape/dtype of what ``prev`` sends as its
+        ``send[i]`` (messages between one pair of ranks match in posting order). On a ring of
+        one, ``recv[i]`` is a copy of ``send[i]``. NCCL needs CUDA tensors, gloo CPU tensors.
+        """
+        if len(send) != len(recv):
+            raise ValueError(f"Ring.shift: {len(send)} tensors to send but {len(recv)} to receive")
+        send = [t.contiguous() for t in send]
+        recv = list(recv)
+        if self.world == 1:
+            for s, r in zip(send, recv):
+                r.copy_(s)
+            return Pending([], [], recv)
+        ops = []
+        for s, r in zip(send, recv):
+            ops.append(dist.P2POp(dist.isend, s, self.next_peer, self.group))
+            ops.append(dist.P2POp(dist.irecv, r, self.prev_peer, self.group))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return Pending(works, send, recv)
+
+
+def offsets(sizes: Sequence[int]) -> List[int]:
+    """Start of each shard in the global batch (rank order), plus the total at the end."""
+    out = [0]
+    for s in sizes:
+        out.append(out[-1] + int(s))
+    return out
+
+
+def agree(
+    ring: Ring,
+    device: torch.device,
+    fields: Mapping[str, float],
+    *,
+    same: Sequence[str] = (),
+    local_error: Optional[str] = None,
+    what: str = "loss",
+) -> Dict[str, List[float]]:
+    """Exchange ``fields`` (numbers: sizes, D, dtype code, a scale...) among the ring's ranks.
+
+    Returns ``{name: [value on group rank 0, 1, ...]}``. Raises the same ``ValueError``
+    on every rank when any rank passed ``local_error`` (a message) or when a field named
+    in ``same`` differs between ranks (a field ``"dtype"`` is reported as a dtype name).
+    Cost: one all_gather of ``len(fields) + 1`` float64 values per rank and one host sync;
+    a second, object all_gather only on the error path (to show every rank's message).
+    All ranks of the group must call this with the same field names, in the same order.
+    """
+    names = list(fields)
+    local = torch.tensor(
+        [float(fields[n]) for n in names] + [1.0 if local_error else 0.0], dtype=torch.float64, device=device
+    )
+    if ring.world == 1:
+        rows = [local.tolist()]
+    else:
+        parts = [torch.empty_like(local) for _ in range(ring.world)]
+        dist.all_gather(parts, local, group=ring.group)
+        rows = torch.stack(parts).cpu().tolist()
+    table = {n: [row[i] for row in rows] for i, n in enumerate(names)}
+    failed = [r for r, row in enumerate(rows) if row[-1] != 0.0]
+    if failed:
+        if ring.world == 1:
+            messages = [local_error]
+        else:
+            messages = [None] * ring.world
+            dist.all_gather_object(messages, local_error, group=ring.group)
+        detail = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
+        raise ValueError(f"{what}: invalid input on group rank(s) {failed}: {detail}")
+    for name in same:
+        values = table[name]
+        if any(not _same(v, values[0]) for v in values):
+            shown = [_dtype_name(v) for v in values] if name == "dtype" else [_fmt(v) for v in values]
+            raise ValueError(
+                f"{what}: {name} must be the same on every rank of the group, got [{', '.join(shown)}] "
+                f"(by group rank)"
+            )
+    return table
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def _fmt(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(v)
