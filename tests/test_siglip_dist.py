@@ -53,9 +53,26 @@ def _run_case(rank, sizes, with_labels, backend_name, dtype):
     return loss.detach(), loss_ng, ql.grad, kl.grad, log_scale.grad, bias.grad
 
 
+def _neighbour_exchange_case(rank, world):
+    """The benchmark's peer (OpenCLIP's neighbour exchange, even shards) must be right too."""
+    import torch.distributed as dist
+
+    from bigbatch.bench.siglip import neighbour_exchange_siglip
+
+    sizes = [4] * world
+    q, k, _ = _global_batch(sizes, False)
+    sl = slice(4 * rank, 4 * rank + 4)
+    ql, kl = q[sl].clone().requires_grad_(), k[sl].clone().requires_grad_()
+    log_scale = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+    bias = torch.tensor(-2.0, dtype=torch.float64, requires_grad=True)
+    loss = neighbour_exchange_siglip(ql, kl, log_scale.exp(), bias, dist.group.WORLD)
+    loss.backward()
+    return loss.detach(), loss.detach(), ql.grad, kl.grad, log_scale.grad, bias.grad
+
+
 def _worker(rank, world, cases):
     # Several cases per process group: spawning processes costs more than the cases themselves.
-    return [_run_case(rank, *case) for case in cases]
+    return [_run_case(rank, *case) for case in cases] + [_neighbour_exchange_case(rank, world)]
 
 
 def _check(results, sizes, with_labels, tol):
@@ -92,6 +109,7 @@ def test_ring_matches_single_process(world):
     per_rank = run_gloo(_worker, world, [c[:4] for c in cases])
     for i, (sizes, with_labels, _, _, tol) in enumerate(cases):
         _check([r[i] for r in per_rank], sizes, with_labels, tol)
+    _check([r[-1] for r in per_rank], [4] * world, False, 1e-12)
 
 
 def _bad_worker(rank, world):

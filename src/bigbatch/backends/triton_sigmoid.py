@@ -233,7 +233,8 @@ class TritonSigmoid:
         parts = torch.empty((2, max_programs), dtype=torch.float32, device=q.device)
         loss = torch.zeros((), dtype=ct, device=q.device)
         g_sum = torch.zeros((), dtype=ct, device=q.device)
-        precision = "ieee" if q.dtype != torch.float32 else self.fp32_precision
+        # input_precision only matters for fp32 operands (16-bit operands always use the tensor cores).
+        precision = self.fp32_precision if q.dtype == torch.float32 else "tf32"
         for rs in blocks(m, tr):
             tm = rs.stop - rs.start
             for cs in blocks(n, tc):

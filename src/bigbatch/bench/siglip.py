@@ -1,0 +1,350 @@
+"""Benchmark of the sigmoid (SigLIP) loss, forward + backward, peers side by side.
+
+One GPU (default): on the same random unit-norm inputs, the full-matrix sigmoid loss
+(OpenCLIP-style: ``logits = s * q @ k.T + b``, ``-logsigmoid(labels * logits).sum() / B``,
+autograd), bigbatch's torch tiles and bigbatch's Triton kernel. The bf16 matmul rate is
+measured first, in the same run. Per case: median time (CUDA events), peak memory above the
+inputs, effective TFLOP/s = 6*B^2*D / time and its percentage of the measured bf16 rate.
+Out-of-memory is a result. A correctness check against float64 runs in the same process.
+
+Several GPUs (``--ring``, under ``torchrun --nproc_per_node=N``): per local batch, bigbatch's ring
+(``group=``) against OpenCLIP's neighbour-exchange formulation (written out here: each step's
+text block arrives through an autograd-aware send/recv and its logits are kept for the
+backward), plus bigbatch on one GPU with the same local batch (the memory yardstick).
+
+    python -m bigbatch.bench.siglip                  # -> benchmarks/results/siglip_h200.{json,png}
+    python -m bigbatch.bench.siglip --batch 8192 65536 --impls naive triton --tune
+    torchrun --nproc_per_node=2 -m bigbatch.bench.siglip --ring --batch 32768 65536 131072
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .common import cuda_time_ms, hardware, matmul_tflops, measure, write_json
+
+IMPLS = ("naive", "torch", "triton")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TUNE_CONFIGS = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 256, 64, 4, 4)]
+
+
+def flops(b: int, d: int) -> float:
+    """Loss + every gradient: logits (2) and the two gradient products (4): 6*B^2*D."""
+    return 6.0 * b * b * d
+
+
+def naive_siglip(q, k, scale, bias):
+    """OpenCLIP's SigLipLoss._loss on one device (full B x B logits kept for autograd)."""
+    logits = scale * (q @ k.t()) + bias
+    labels = 2 * torch.eye(q.shape[0], device=q.device, dtype=q.dtype) - 1
+    return -F.logsigmoid(labels * logits).sum() / q.shape[0]
+
+
+def _inputs(b: int, d: int, dtype: torch.dtype, device, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = F.normalize(torch.randn(b, d, device=device, generator=g), dim=1).to(dtype).requires_grad_()
+    k = F.normalize(torch.randn(b, d, device=device, generator=g), dim=1).to(dtype).requires_grad_()
+    log_scale = torch.tensor(math.log(10.0), device=device, requires_grad=True)
+    bias = torch.tensor(-10.0, device=device, requires_grad=True)
+    return q, k, log_scale, bias
+
+
+def _loss_fn(impl: str, backend=None):
+    import bigbatch
+
+    if impl == "naive":
+        return lambda q, k, s, b: naive_siglip(q, k, s, b)
+    return lambda q, k, s, b: bigbatch.siglip_loss(q, k, s, b, backend=backend or impl)
+
+
+def _step(fn, q, k, log_scale, bias):
+    loss = fn(q, k, log_scale.exp(), bias)
+    return torch.autograd.grad(loss, (q, k, log_scale, bias))
+
+
+def correctness(b: int, d: int, dtype: torch.dtype, backend) -> Dict[str, float]:
+    """Relative errors of loss and every gradient against float64 on the same rounded inputs."""
+    from bigbatch import reference
+
+    q, k, log_scale, bias = _inputs(b, d, dtype, "cuda", seed=1)
+    loss = _loss_fn("triton", backend)(q, k, log_scale.exp(), bias)
+    grads = torch.autograd.grad(loss, (q, k, log_scale, bias))
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    ls64, b64 = log_scale.detach().double().requires_grad_(), bias.detach().double().requires_grad_()
+    ref = reference.siglip_loss(q64, k64, ls64.exp(), b64)
+    ref_g = torch.autograd.grad(ref, (q64, k64, ls64, b64))
+
+    def rel(x, r):
+        return ((x.double() - r).norm() / r.norm()).item()
+
+    out = {"loss": rel(loss, ref)}
+    for name, x, r in zip(("d_image", "d_text", "d_log_scale", "d_bias"), grads, ref_g):
+        out[name] = rel(x, r)
+    return out
+
+
+def tune(b: int, d: int, dtype: torch.dtype) -> List[Dict[str, Any]]:
+    """Time a few kernel configs (forward + backward) at one size; the fastest comes first."""
+    from bigbatch.backends.triton_sigmoid import TritonSigmoid
+
+    q, k, log_scale, bias = _inputs(b, d, dtype, "cuda")
+    rows = []
+    for cfg in TUNE_CONFIGS:
+        fn = _loss_fn("triton", TritonSigmoid(block=cfg))
+        try:
+            ms = statistics.median(cuda_time_ms(lambda: _step(fn, q, k, log_scale, bias), warmup=1, repeat=3))
+            rows.append({"block": list(cfg), "median_ms": ms})
+        except Exception as exc:  # a config the compiler rejects (e.g. shared memory) is a result
+            rows.append({"block": list(cfg), "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"})
+        print(f"  tune {cfg}: {rows[-1]}", flush=True)
+    rows.sort(key=lambda r: r.get("median_ms", math.inf))
+    return rows
+
+
+def single_gpu(args) -> Dict[str, Any]:
+    from bigbatch.backends import triton_sigmoid
+    from bigbatch.backends.triton_sigmoid import TritonSigmoid
+
+    dtype = DTYPES[args.dtype]
+    bf16_rate = matmul_tflops(torch.bfloat16)
+    print(f"bf16 matmul: {bf16_rate:.0f} TFLOP/s", flush=True)
+    block = None
+    tuned = []
+    if args.tune:
+        tuned = tune(args.tune_batch, args.dim, dtype)
+        if "median_ms" in tuned[0]:
+            block = tuple(tuned[0]["block"])
+    triton_backend = TritonSigmoid(block=block)
+    check = correctness(args.check_batch, args.dim, dtype, triton_backend)
+    print(f"correctness vs float64 at B={args.check_batch}: {check}", flush=True)
+    results = []
+    for b in args.batch:
+        q, k, log_scale, bias = _inputs(b, args.dim, dtype, "cuda")
+        for impl in args.impls:
+            if impl == "torch" and b > args.torch_max:
+                results.append({"impl": impl, "batch": b, "status": "skipped", "reason": f"B > --torch-max {args.torch_max}"})
+                continue
+            if impl == "naive" and b > args.naive_max:
+                need = 3 * b * b * q.element_size() / 2**30
+                results.append({"impl": impl, "batch": b, "status": "skipped",
+                                "reason": f"needs > {need:.0f} GiB of logits (B x B kept for autograd)"})
+                continue
+            fn = _loss_fn(impl, triton_backend if impl == "triton" else None)
+            r = measure(lambda: _step(fn, q, k, log_scale, bias), warmup=1, repeat=args.repeat)
+            r.update({"impl": impl, "batch": b, "dim": args.dim, "dtype": args.dtype})
+            if r["status"] == "ok":
+                r["tflops_6b2d"] = flops(b, args.dim) / (r["median_ms"] * 1e-3) / 1e12
+                r["pct_of_bf16_matmul"] = 100.0 * r["tflops_6b2d"] / bf16_rate
+            results.append(r)
+            print(_row(r), flush=True)
+        if "triton" in args.impls:  # the loss alone (no gradients): 2*B^2*D
+            with torch.no_grad():
+                fn = _loss_fn("triton", triton_backend)
+                r = measure(lambda: fn(q, k, log_scale.exp(), bias), warmup=1, repeat=args.repeat)
+            r.update({"impl": "triton-forward-only", "batch": b, "dim": args.dim, "dtype": args.dtype})
+            if r["status"] == "ok":
+                r["tflops_2b2d"] = 2.0 * b * b * args.dim / (r["median_ms"] * 1e-3) / 1e12
+            results.append(r)
+            print(_row(r), flush=True)
+        del q, k
+    return {
+        "benchmark": "siglip single GPU: forward + backward (loss and all gradients)",
+        "hardware": hardware(),
+        "bf16_matmul_tflops": bf16_rate,
+        "flops_accounting": "6*B^2*D",
+        "kernel_block": list(block) if block else "default",
+        "mm_acc_mode": triton_sigmoid._MM_ACC_MODE,
+        "tune": tuned,
+        "correctness_rel_err": {"batch": args.check_batch, "dtype": args.dtype, **check},
+        "results": results,
+    }
+
+
+def _row(r: Dict[str, Any]) -> str:
+    if r["status"] != "ok":
+        return f"{r['impl']:>20} B={r['batch']:>7}  {r['status']} {r.get('reason', r.get('error', ''))}"
+    rate = r.get("tflops_6b2d", r.get("tflops_2b2d", 0.0))
+    pct = r.get("pct_of_bf16_matmul")
+    return (f"{r['impl']:>20} B={r['batch']:>7}  {r['median_ms']:9.1f} ms  {r['extra_gib']:7.2f} GiB  "
+            f"{rate:6.0f} TFLOP/s" + (f"  {pct:5.1f}% of bf16 matmul" if pct is not None else ""))
+
+
+# ----------------------------------------------------------------------------- several GPUs
+
+
+class _NeighbourExchange(torch.autograd.Function):
+    """Send ``x`` to the next rank, receive the previous rank's; gradients flow back the other way."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        ctx.group = group
+        out = torch.empty_like(x)
+        _exchange(x, out, to_next=True, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = torch.empty_like(grad)
+        _exchange(grad.contiguous(), out, to_next=False, group=ctx.group)
+        return out, None
+
+
+def _exchange(send, recv, *, to_next: bool, group) -> None:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    dst = dist.get_global_rank(group, (rank + (1 if to_next else -1)) % world)
+    src = dist.get_global_rank(group, (rank - (1 if to_next else -1)) % world)
+    ops = [dist.P2POp(dist.isend, send.contiguous(), dst, group), dist.P2POp(dist.irecv, recv, src, group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def neighbour_exchange_siglip(q, k, scale, bias, group):
+    """OpenCLIP's distributed SigLipLoss (unidirectional neighbour exchange), written out:
+    local logits with positives, then world-1 steps of negatives-only logits against the text
+    block received from the previous rank; every step's logits stay alive for autograd."""
+    import torch.distributed as dist
+
+    loss = naive_siglip(q, k, scale, bias)
+    text = k
+    for _ in range(dist.get_world_size(group) - 1):
+        text = _NeighbourExchange.apply(text, group)
+        logits = scale * (q @ text.t()) + bias
+        loss = loss + (-F.logsigmoid(-logits).sum() / q.shape[0])
+    return loss
+
+
+def ring(args) -> Optional[Dict[str, Any]]:
+    import torch.distributed as dist
+
+    import bigbatch
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl")
+    group = dist.group.WORLD
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dtype = DTYPES[args.dtype]
+    bf16_rate = matmul_tflops(torch.bfloat16)
+    results = []
+    impls = {
+        "bigbatch-ring": lambda q, k, s, b: bigbatch.siglip_loss(q, k, s, b, group=group),
+        "neighbour-exchange": lambda q, k, s, b: neighbour_exchange_siglip(q, k, s, b, group),
+        "bigbatch-1gpu-same-local-batch": lambda q, k, s, b: bigbatch.siglip_loss(q, k, s, b),
+    }
+    for b in args.batch:
+        q, k, log_scale, bias = _inputs(b, args.dim, dtype, "cuda", seed=rank)
+        for name, fn in impls.items():
+            if name == "neighbour-exchange" and b > args.naive_max:
+                r = {"status": "skipped", "reason": f"local B x B logits per step; B > --naive-max {args.naive_max}"}
+            else:
+                dist.barrier()
+                r = measure(lambda: _step(fn, q, k, log_scale, bias), warmup=1, repeat=args.repeat)
+                # Any rank out of memory makes the case out of memory (the others would hang next).
+                flag = torch.tensor([r["status"] != "ok"], device="cuda", dtype=torch.int32)
+                dist.all_reduce(flag)
+                if flag.item() and r["status"] == "ok":
+                    r = {"status": "oom", "error": "another rank ran out of memory"}
+            mem = torch.tensor([r.get("extra_gib", float("nan"))], device="cuda", dtype=torch.float64)
+            mems = [torch.empty_like(mem) for _ in range(world)]
+            dist.all_gather(mems, mem)
+            r.update({"impl": name, "local_batch": b, "global_batch": b * world if name != "bigbatch-1gpu-same-local-batch" else b,
+                      "dim": args.dim, "dtype": args.dtype, "world": world,
+                      "extra_gib_per_rank": [m.item() for m in mems]})
+            if r["status"] == "ok":
+                gb = r["global_batch"]
+                r["tflops_6b2d_total"] = flops(gb, args.dim) / (r["median_ms"] * 1e-3) / 1e12
+            results.append(r)
+            if rank == 0:
+                print(f"{name:>32} local B={b:>7} global={r['global_batch']:>7}  {r['status']}  "
+                      f"{r.get('median_ms', float('nan')):9.1f} ms  per-rank GiB {r['extra_gib_per_rank']}", flush=True)
+        del q, k
+    out = None
+    if rank == 0:
+        out = {
+            "benchmark": f"siglip ring on {world} GPUs: forward + backward",
+            "hardware": hardware(),
+            "bf16_matmul_tflops": bf16_rate,
+            "results": results,
+        }
+    dist.destroy_process_group()
+    return out
+
+
+def plot(payload: Dict[str, Any], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot", flush=True)
+        return
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+    for impl in sorted({r["impl"] for r in payload["results"]}):
+        rows = [r for r in payload["results"] if r["impl"] == impl and r["status"] == "ok"]
+        if not rows:
+            continue
+        xs = [r["batch"] for r in rows]
+        ax_t.plot(xs, [r["median_ms"] for r in rows], marker="o", label=impl)
+        ax_m.plot(xs, [r["extra_gib"] for r in rows], marker="o", label=impl)
+    for ax, label in ((ax_t, "time (ms), forward + backward"), (ax_m, "peak extra memory (GiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch B (D=512, bf16)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"SigLIP loss on {payload['hardware'].get('gpu', '?')} "
+                 f"(bf16 matmul {payload['bf16_matmul_tflops']:.0f} TFLOP/s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[8192, 32768, 65536, 131072, 262144])
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--naive-max", type=int, default=131072, help="largest B for the full-matrix peers")
+    p.add_argument("--torch-max", type=int, default=32768, help="largest B for the torch tiles")
+    p.add_argument("--check-batch", type=int, default=8192)
+    p.add_argument("--tune", action="store_true", help="pick the kernel block config by timing a few")
+    p.add_argument("--tune-batch", type=int, default=65536)
+    p.add_argument("--ring", action="store_true", help="several GPUs under torchrun")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/siglip_<kind>.json)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("this benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.ring:
+        payload = ring(args)
+        if payload is not None:
+            path = args.out or "benchmarks/results/siglip_ring_h200x2.json"
+            write_json(path, payload)
+            print(f"wrote {path}", flush=True)
+        return 0
+    payload = single_gpu(args)
+    path = args.out or "benchmarks/results/siglip_h200.json"
+    write_json(path, payload)
+    print(f"wrote {path}", flush=True)
+    plot(payload, os.path.splitext(path)[0] + ".png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
