@@ -1,0 +1,246 @@
+"""Benchmark: gradient caching for a BERT-base dual encoder, side by side with a full-batch step
+and the public GradCache (luyug's ``gradcache`` package), in one process.
+
+Query encoder and passage encoder: ``BertModel(BertConfig())`` (random weights, dropout on),
+queries 32 tokens, passages 128, bf16 autocast, representation = [CLS] hidden state,
+loss = ``bigbatch.clip_loss`` with a learned scale. Per batch size B: one training step's
+forward + backward (no optimizer), median of CUDA-event times after a warm-up, and peak memory
+above the live memory before the step (weights and pre-allocated ``.grad``). Out-of-memory is
+recorded as a result. A correctness check (bigbatch.GradCache vs the full-batch gradient with the
+same dropout masks) runs first.
+
+    python -m bigbatch.bench.gradcache                    # the H200 run (JSON + PNG)
+    python -m bigbatch.bench.gradcache --tiny --cpu       # a seconds-long dry run of the code paths
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc as _gc
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from .common import hardware, matmul_tflops, measure, wall_time_ms, write_json
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def load_public_gradcache():
+    """luyug's GradCache class from the PyPI package ``gradcache`` 0.0.1, unmodified.
+
+    That release ships its package as ``gradcache`` while its modules import ``grad_cache.*``
+    (the GitHub layout), so ``from gradcache import GradCache`` silently yields nothing; aliasing
+    the package under its GitHub name makes the unmodified module importable. Returns
+    (class or None, a note saying what was loaded or why not)."""
+    try:
+        import gradcache
+    except ImportError as exc:
+        return None, f"package gradcache not installed ({exc})"
+    sys.modules.setdefault("grad_cache", gradcache)
+    try:
+        from gradcache.grad_cache import GradCache as Public
+    except ImportError as exc:
+        return None, f"gradcache {getattr(gradcache, '__version__', '0.0.1')} failed to import: {exc}"
+    return Public, "PyPI gradcache 0.0.1 (luyug/GradCache, grad_cache/grad_cache.py), imported with module alias grad_cache->gradcache"
+
+
+def _bert(tiny: bool, device: torch.device):
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128) if tiny else BertConfig()
+    return BertModel(cfg).to(device).train(), cfg
+
+
+def _inputs(b: int, seq: int, vocab: int, device: torch.device, seed: int) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1000, vocab, (b, seq), generator=g)
+    return {"input_ids": ids.to(device), "attention_mask": torch.ones(b, seq, dtype=torch.long, device=device)}
+
+
+def _rep(out: Any) -> torch.Tensor:
+    return out.last_hidden_state[:, 0]
+
+
+def _time(fn: Callable[[], Any], cuda: bool, warmup: int, repeat: int) -> Dict[str, Any]:
+    if cuda:
+        base = torch.cuda.memory_allocated()
+        r = measure(fn, warmup=warmup, repeat=repeat)
+        r["base_gib"] = base / 2**30
+        if r["status"] == "ok":
+            r["peak_total_gib"] = r["extra_gib"] + r["base_gib"]
+        return r
+    times = wall_time_ms(fn, warmup=warmup, repeat=repeat)
+    return {"status": "ok", "median_ms": statistics.median(times), "times_ms": times, "extra_gib": None}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", type=int, nargs="+", default=[512, 1024, 2048, 8192])
+    p.add_argument("--budget", default="16GiB", help="memory_budget of bigbatch.GradCache")
+    p.add_argument("--public-chunk", type=int, default=128, help="chunk size of the public GradCache")
+    p.add_argument("--q-len", type=int, default=32)
+    p.add_argument("--p-len", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--tiny", action="store_true", help="tiny BERT (CPU dry run)")
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--skip", nargs="*", default=[], choices=["full", "public", "bigbatch"])
+    p.add_argument("--out", default="benchmarks/results/gradcache_h200.json")
+    args = p.parse_args(argv)
+
+    import bigbatch
+    from bigbatch.gradcache import GradCache
+
+    cuda = torch.cuda.is_available() and not args.cpu
+    device = torch.device("cuda" if cuda else "cpu")
+    torch.manual_seed(0)
+    mq, cfg = _bert(args.tiny, device)
+    mp, _ = _bert(args.tiny, device)
+    logit_scale = torch.nn.Parameter(torch.tensor(2.0, device=device))
+    params = list(mq.parameters()) + list(mp.parameters()) + [logit_scale]
+    for t in params:  # pre-allocated gradients: every method starts from the same live memory
+        t.grad = torch.zeros_like(t)
+
+    def loss_fn(q, k):
+        return bigbatch.clip_loss(q.float(), k.float(), logit_scale.exp(), backend="torch")
+
+    amp = dict(device_type=device.type, dtype=torch.bfloat16)
+    result: Dict[str, Any] = {
+        "benchmark": "gradcache", "hardware": hardware(), "args": vars(args),
+        "model": "2 x BertModel(BertConfig()) random weights, train mode" if not args.tiny else "tiny BERT",
+        "loss": "bigbatch.clip_loss(backend='torch'), learned scale", "rows": [],
+    }
+    if cuda:
+        _log("matmul rate")
+        result["bf16_matmul_tflops"] = matmul_tflops()
+    public_cls, note = load_public_gradcache()
+    result["public_gradcache"] = note
+    _log(f"public GradCache: {note}")
+
+    # -- correctness on this device: same dropout masks, bf16 autocast ------------------------
+    b0 = 64 if not args.tiny else 16
+    qi, pi = _inputs(b0, args.q_len, cfg.vocab_size, device, 1), _inputs(b0, args.p_len, cfg.vocab_size, device, 2)
+    def grads():
+        return torch.cat([t.grad.float().flatten() for t in params])
+    for t in params:
+        t.grad.zero_()
+    torch.manual_seed(5)
+    with torch.autocast(**amp):  # reference: the same chunks, one graph over the whole batch
+        q = torch.cat([_rep(mq(**c)) for c in bigbatch.gradcache.chunking.split_batch(qi, 16)])
+        k = torch.cat([_rep(mp(**c)) for c in bigbatch.gradcache.chunking.split_batch(pi, 16)])
+        ref_loss = loss_fn(q, k)
+    ref_loss.backward()
+    g_ref = grads()
+    for t in params:
+        t.grad.zero_()
+    torch.manual_seed(5)
+    gcache = GradCache([mq, mp], chunk_sizes=16, loss_fn=loss_fn, get_rep_fn=_rep, autocast_dtype=torch.bfloat16)
+    loss = gcache(qi, pi)
+    g = grads()
+    result["check"] = {
+        "batch": b0, "chunk": 16, "loss_ref": ref_loss.item(), "loss": loss.item(),
+        "grad_rel_err": ((g - g_ref).norm() / g_ref.norm()).item(),
+    }
+    _log(f"check: {result['check']}")
+    del q, k, ref_loss, g, g_ref, gcache
+    for t in params:
+        t.grad.zero_()
+
+    bb = GradCache([mq, mp], memory_budget=args.budget, loss_fn=loss_fn, get_rep_fn=_rep, autocast_dtype=torch.bfloat16)
+    public = None
+    if public_cls is not None:
+        public = public_cls([mq, mp], args.public_chunk, loss_fn=loss_fn, get_rep_fn=_rep)
+
+    for b in args.batches:
+        qi, pi = _inputs(b, args.q_len, cfg.vocab_size, device, 10 + b), _inputs(b, args.p_len, cfg.vocab_size, device, 20 + b)
+        rep = args.repeat if b < 4096 else max(1, args.repeat - 1)
+        row: Dict[str, Any] = {"batch": b}
+
+        def full():
+            with torch.autocast(**amp):
+                l = loss_fn(_rep(mq(**qi)), _rep(mp(**pi)))
+            l.backward()
+
+        def pub():
+            with torch.autocast(**amp):
+                public(qi, pi)
+
+        def ours():
+            bb(qi, pi)
+
+        for name, fn in (("full", full), ("public", pub), ("bigbatch", ours)):
+            if name in args.skip or (name == "public" and public is None):
+                row[name] = {"status": "skipped"}
+                continue
+            _log(f"B={b} {name} ...")
+            row[name] = _time(fn, cuda, warmup=1, repeat=rep)
+            _gc.collect()
+            _log(f"B={b} {name}: {row[name].get('median_ms', '-')} ms, extra {row[name].get('extra_gib')} GiB, {row[name]['status']}")
+        row["bigbatch"]["chunk_sizes"] = list(bb.last_chunk_sizes)
+        row["bigbatch"]["kept_chunks"] = bb.last_kept
+        if row["full"].get("status") == "ok" and row["bigbatch"].get("status") == "ok":
+            row["bigbatch_over_full"] = row["bigbatch"]["median_ms"] / row["full"]["median_ms"]
+        if row["public"].get("status") == "ok" and row["full"].get("status") == "ok":
+            row["public_over_full"] = row["public"]["median_ms"] / row["full"]["median_ms"]
+        result["rows"].append(row)
+        write_json(args.out, result)
+
+    ok = [r["bigbatch"]["extra_gib"] for r in result["rows"] if r["bigbatch"].get("status") == "ok" and r["bigbatch"].get("extra_gib") is not None]
+    if ok:
+        budget = bigbatch.gradcache.parse_memory(args.budget) / 2**30
+        result["targets"] = {
+            "peak_le_budget": max(ok) <= budget,
+            "peak_spread": max(ok) / min(ok) - 1,
+            "ratios_vs_full": [r.get("bigbatch_over_full") for r in result["rows"]],
+        }
+    write_json(args.out, result)
+    _plot(result, Path(args.out).with_suffix(".png"))
+    print(f"{'B':>6} {'full ms':>9} {'public ms':>10} {'bigbatch ms':>12} {'bb/full':>8} {'full GiB':>9} {'pub GiB':>8} {'bb GiB':>7} chunks")
+    for r in result["rows"]:
+        def f(k, key):
+            v = r[k].get(key)
+            return "oom" if r[k].get("status") == "oom" else ("-" if v is None else f"{v:.1f}" if key == "median_ms" else f"{v:.2f}")
+        print(f"{r['batch']:>6} {f('full','median_ms'):>9} {f('public','median_ms'):>10} {f('bigbatch','median_ms'):>12} "
+              f"{r.get('bigbatch_over_full', float('nan')):>8.2f} {f('full','extra_gib'):>9} {f('public','extra_gib'):>8} "
+              f"{f('bigbatch','extra_gib'):>7} {r['bigbatch'].get('chunk_sizes')}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _plot(result: Dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for name in ("full", "public", "bigbatch"):
+        pts = [(r["batch"], r[name]) for r in result["rows"] if r[name].get("status") == "ok"]
+        if not pts:
+            continue
+        bs = [b for b, _ in pts]
+        axes[0].plot(bs, [m["median_ms"] / 1e3 for _, m in pts], "o-", label=name)
+        if pts[0][1].get("extra_gib") is not None:
+            axes[1].plot(bs, [m["extra_gib"] for _, m in pts], "o-", label=name)
+    for ax, yl in zip(axes, ("step time (s)", "peak extra memory (GiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(yl)
+        ax.legend()
+    fig.suptitle(f"BERT-base dual encoder, bf16: {result['hardware'].get('gpu', 'cpu')}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,421 @@
+"""bigbatch.GradCache / cached_encode against full-batch gradients (float64, CPU).
+
+"Full batch with the same masks": the reference runs the same chunks *with* a graph, in the
+same order and from the same seed, concatenates the representations and back-propagates the
+loss once -- the full-batch gradient of a model whose dropout draws those masks. Without dropout
+the reference is one plain forward over the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections import UserDict
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+import bigbatch
+from bigbatch.gradcache import GradCache, cached_encode, parse_memory
+from bigbatch.gradcache.chunking import split_batch
+
+from helpers import assert_rel
+
+F64 = torch.float64
+TOL = 1e-10
+
+
+class Enc(nn.Module):
+    """Dropout + LayerNorm encoder taking a tensor, keyword tensors, or two positional tensors."""
+
+    def __init__(self, d_in: int = 6, d: int = 8, p: float = 0.3) -> None:
+        super().__init__()
+        self.l1, self.l1b = nn.Linear(d_in, 16), nn.Linear(d_in, 16)
+        self.drop, self.ln, self.l2 = nn.Dropout(p), nn.LayerNorm(16), nn.Linear(16, d)
+
+    def forward(self, x=None, extra=None, *, input_ids=None, mask=None):
+        if input_ids is not None:
+            x, extra = input_ids, mask
+        h = self.l1(x) if extra is None else self.l1(x) + self.l1b(extra)
+        return self.l2(self.ln(self.drop(torch.tanh(h))))
+
+
+def make_models(n: int, seed: int = 0, p: float = 0.3):
+    torch.manual_seed(seed)
+    return [Enc(p=p).to(F64) for _ in range(n)]
+
+
+def make_input(kind: str, b: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    a, c = torch.randn(b, 6, generator=g, dtype=F64), torch.randn(b, 6, generator=g, dtype=F64)
+    if kind == "tensor":
+        return a
+    if kind == "dict":
+        return {"input_ids": a, "mask": c}
+    if kind == "batchencoding":
+        from transformers import BatchEncoding
+
+        return BatchEncoding({"input_ids": a, "mask": c})
+    if kind == "userdict":
+        return UserDict({"input_ids": a, "mask": c})
+    if kind == "tuple":
+        return (a, c)
+    raise AssertionError(kind)
+
+
+def call(model, x):
+    if isinstance(x, torch.Tensor):
+        return model(x)
+    if isinstance(x, tuple):
+        return model(*x)
+    return model(**x)
+
+
+def params_of(models, extra=()):
+    seen, out = set(), []
+    for m in list(models) + list(extra):
+        for p in (m.parameters() if isinstance(m, nn.Module) else [m]):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def zero(params):
+    for p in params:
+        p.grad = None
+
+
+def grads(params):
+    return [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
+
+
+def reference(models, inputs, chunk, loss_fn, seed, autocast=None, **loss_kwargs):
+    """(loss, grads): the same chunks with one graph over the whole batch (same RNG draws)."""
+    ms = models * len(inputs) if len(models) == 1 else models
+    chunks = [chunk] * len(inputs) if isinstance(chunk, int) else chunk
+    torch.manual_seed(seed)
+    ctx = torch.autocast("cpu", dtype=autocast) if autocast else torch.autocast("cpu", enabled=False)
+    with ctx:
+        reps = [torch.cat([call(m, c) for c in split_batch(x, n)]) for m, x, n in zip(ms, inputs, chunks)]
+        loss = loss_fn(*reps, **loss_kwargs)
+    loss.backward()
+    return loss.detach()
+
+
+def clip(scale=5.0):
+    return lambda a, b: bigbatch.clip_loss(a, b, scale)
+
+
+def check_grads(params, ref, tol, what=""):
+    """Per-parameter relative error, with the reference norm floored at 1e-6 of the whole
+    gradient's norm: some gradients are zero in exact arithmetic (a softmax over keys is
+    invariant to shifting every key, so the key encoder's output bias gets sum-zero gradients)."""
+    got = grads(params)
+    total = torch.sqrt(sum(r.double().pow(2).sum() for r in ref)).item()
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert g.shape == r.shape and torch.isfinite(g).all(), f"{what} grad {i}: shape or non-finite"
+        err = (g.double() - r.double()).norm().item() / max(r.double().norm().item(), 1e-6 * total, 1e-300)
+        assert err <= tol, f"{what} grad of parameter {i}: relative error {err:.3e} > {tol:.1e}"
+
+
+@pytest.mark.parametrize("kind", ["tensor", "dict", "batchencoding", "userdict", "tuple"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_exact_with_dropout(kind, shared):
+    models = make_models(1 if shared else 2)
+    params = params_of(models)
+    x, y = make_input(kind, 11, 1), make_input(kind, 11, 2)
+    zero(params)
+    ref_loss = reference(models, [x, y], 4, clip(), seed=7)
+    ref = grads(params)
+    zero(params)
+    torch.manual_seed(7)
+    loss = GradCache(models, chunk_sizes=4, loss_fn=clip())(x, y)
+    assert abs(loss.item() - ref_loss.item()) <= TOL * abs(ref_loss.item())
+    check_grads(params, ref, TOL)
+    # the caller's random stream ends where an ordinary forward over the same chunks leaves it
+    after_gc = torch.rand(3)
+    reference(models, [x, y], 4, clip(), seed=7)
+    assert torch.equal(after_gc, torch.rand(3))
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_no_dropout_equals_one_full_forward(keep):
+    models = make_models(2, p=0.0)
+    params = params_of(models)
+    x, y = make_input("tensor", 10, 3), make_input("tensor", 10, 4)
+    zero(params)
+    clip()(models[0](x), models[1](y)).backward()
+    ref = grads(params)
+    zero(params)
+    gc = GradCache(models, chunk_sizes=[3, 4], loss_fn=clip(), keep_last_graph=keep)
+    gc(x, y)
+    assert gc.last_kept == (1 if keep else 0)
+    check_grads(params, ref, TOL)
+
+
+def test_dropout_masks_differ_without_replay():
+    """Guard that the dropout test can fail: without RNG replay the second pass draws new masks."""
+    from bigbatch.gradcache import rng
+
+    models = make_models(1)
+    params = params_of(models)
+    x, y = make_input("tensor", 8, 1), make_input("tensor", 8, 2)
+    zero(params)
+    reference(models, [x, y], 4, clip(), seed=3)
+    ref = grads(params)
+    zero(params)
+    original = rng.RngState.replay
+    import contextlib
+
+    rng.RngState.replay = lambda self: contextlib.nullcontext()
+    try:
+        torch.manual_seed(3)
+        GradCache(models, chunk_sizes=4, loss_fn=clip(), keep_last_graph=False)(x, y)
+    finally:
+        rng.RngState.replay = original
+    errs = [bigbatch_rel(g, r) for g, r in zip(grads(params), ref)]
+    assert max(errs) > 1e-3
+
+
+def bigbatch_rel(a, b):
+    from helpers import rel_err
+
+    return rel_err(a, b)
+
+
+def test_cached_encode_in_own_loss():
+    models = make_models(2)
+    scale = torch.tensor(1.5, dtype=F64, requires_grad=True)
+    params = params_of(models, [scale])
+    x, y = make_input("dict", 9, 5), make_input("tensor", 9, 6)
+
+    def loss_fn(a, b):
+        return bigbatch.infonce_loss(a, b, scale.exp()) + 0.1 * a.pow(2).mean()
+
+    zero(params)
+    reference(models, [x, y], 4, loss_fn, seed=11)
+    ref = grads(params)
+    zero(params)
+    torch.manual_seed(11)
+    a = cached_encode(models[0], x, chunk_size=4)
+    b = cached_encode(models[1], y, chunk_size=4, keep_last_graph=True)
+    assert a.requires_grad and a.grad_fn is not None
+    loss_fn(a, b).backward()
+    check_grads(params, ref, TOL)
+    with torch.no_grad():
+        assert cached_encode(models[0], x, chunk_size=4).grad_fn is None
+
+
+def test_parameterised_head_gets_exact_grads():
+    """GradCache paper section 5: a learned bilinear similarity inside the loss."""
+    models = make_models(2)
+    torch.manual_seed(1)
+    head = nn.Linear(8, 8, bias=False).to(F64)
+    params = params_of(models, [head])
+    x, y = make_input("tensor", 12, 1), make_input("tensor", 12, 2)
+
+    def loss_fn(a, b, temperature):
+        return nn.functional.cross_entropy(head(a) @ b.T / temperature, torch.arange(a.shape[0]))
+
+    zero(params)
+    reference(models, [x, y], 5, loss_fn, seed=2, temperature=0.5)
+    ref = grads(params)
+    zero(params)
+    torch.manual_seed(2)
+    GradCache(models, chunk_sizes=5, loss_fn=loss_fn)(x, y, temperature=0.5)
+    check_grads(params, ref, TOL)
+
+
+def test_learned_scale_with_clip_loss_and_accumulation():
+    models = make_models(1)
+    log_scale = torch.tensor(2.0, dtype=F64, requires_grad=True)
+    params = params_of(models, [log_scale])
+    batches = [(make_input("tensor", 7, s), make_input("tensor", 7, s + 10)) for s in (1, 2)]
+
+    def loss_fn(a, b):
+        return bigbatch.clip_loss(a, b, log_scale.exp())
+
+    zero(params)
+    for i, (x, y) in enumerate(batches):
+        reference(models, [x, y], 3, loss_fn, seed=20 + i)
+    ref = grads(params)
+    zero(params)
+    gc = GradCache(models, chunk_sizes=3, loss_fn=loss_fn)
+    for i, (x, y) in enumerate(batches):  # two cached steps accumulate into .grad
+        torch.manual_seed(20 + i)
+        gc(x, y)
+    check_grads(params, ref, TOL)
+
+
+@settings(max_examples=12, deadline=None)
+@given(b=st.integers(1, 13), chunk=st.integers(1, 14), d_in=st.integers(1, 5), seed=st.integers(0, 10**6),
+       keep=st.booleans())
+def test_random_shapes(b, chunk, d_in, seed, keep):
+    torch.manual_seed(seed)
+    enc = nn.Sequential(nn.Linear(d_in, 7), nn.Dropout(0.25), nn.LayerNorm(7), nn.Linear(7, 5)).to(F64)
+    head = torch.tensor(0.7, dtype=F64, requires_grad=True)
+    params = params_of([enc], [head])
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(b, d_in, generator=g, dtype=F64), torch.randn(b + 2, d_in, generator=g, dtype=F64)
+
+    def loss_fn(a, k):
+        return bigbatch.infonce_loss(a, k, head.exp(), labels=torch.arange(a.shape[0]))
+
+    zero(params)
+    reference([enc], [x, y], chunk, loss_fn, seed=seed)
+    ref = grads(params)
+    zero(params)
+    torch.manual_seed(seed)
+    GradCache(enc, chunk_sizes=chunk, loss_fn=loss_fn, keep_last_graph=keep)(x, y)
+    check_grads(params, ref, 1e-9)
+
+
+def test_bf16_autocast():
+    models = [m.float() for m in make_models(2)]
+    params = params_of(models)
+    x, y = make_input("tensor", 12, 1).float(), make_input("tensor", 12, 2).float()
+    zero(params)
+    reference(models, [x, y], 4, clip(), seed=3, autocast=torch.bfloat16)
+    ref = grads(params)
+    zero(params)
+    torch.manual_seed(3)
+    GradCache(models, chunk_sizes=4, loss_fn=clip(), autocast_dtype=torch.bfloat16)(x, y)
+    # not bitwise: the reference sums the chunks' weight gradients in bf16 (one autocast weight
+    # cast shared by all chunks), GradCache in fp32 (one backward per chunk)
+    check_grads(params, ref, 2e-2, "bf16 (same autocast)")
+    # and close to the float64 truth with the same masks
+    m64 = [nn.Module() for _ in models]
+    models64 = make_models(2)
+    for a, b in zip(models64, models):
+        a.load_state_dict({k: v.double() for k, v in b.state_dict().items()})
+    p64 = params_of(models64)
+    zero(p64)
+    reference(models64, [x.double(), y.double()], 4, clip(), seed=3)
+    check_grads(params, grads(p64), 6e-2, "bf16 vs float64")
+    del m64
+
+
+def test_fp16_grad_scaler_scaled_cache_and_skip():
+    models = [m.float() for m in make_models(2)]
+    params = params_of(models)
+    x, y = make_input("tensor", 8, 1).float(), make_input("tensor", 8, 2).float()
+    zero(params)
+    reference(models, [x, y], 4, clip(), seed=5, autocast=torch.float16)
+    ref = grads(params)
+    zero(params)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    opt = torch.optim.SGD(params, lr=0.1)
+    torch.manual_seed(5)
+    gc = GradCache(models, chunk_sizes=4, loss_fn=clip(), scaler=scaler, autocast_dtype=torch.float16)
+    gc(x, y)
+    check_grads(params, [r * 2.0**10 for r in ref], 5e-3, "scaled grads")
+    scaler.unscale_(opt)
+    check_grads(params, ref, 5e-3, "unscaled grads")
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**10
+    # a scale that overflows fp16 cached gradients: the scaler must skip the step and back off
+    scaler2 = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    zero(params)
+    before = [p.detach().clone() for p in params]
+    opt2 = torch.optim.SGD(params, lr=0.1)
+    GradCache(models, chunk_sizes=4, loss_fn=clip(), scaler=scaler2, autocast_dtype=torch.float16)(x, y)
+    assert not all(torch.isfinite(p.grad).all() for p in params)
+    scaler2.step(opt2)
+    scaler2.update()
+    assert scaler2.get_scale() < 2.0**40
+    for p, b in zip(params, before):
+        assert torch.equal(p.detach(), b), "the optimizer stepped on non-finite gradients"
+
+
+def test_offload_inputs_and_reps_exact():
+    models = make_models(2)
+    params = params_of(models)
+    x, y = make_input("dict", 10, 1), make_input("tensor", 10, 2)
+    zero(params)
+    reference(models, [x, y], 3, clip(), seed=9)
+    ref = grads(params)
+    zero(params)
+    torch.manual_seed(9)
+    GradCache(models, chunk_sizes=3, loss_fn=clip(), offload_inputs=True, offload_reps=True)(x, y)
+    check_grads(params, ref, TOL)
+
+
+def test_auto_chunk_from_budget_on_cpu():
+    models = make_models(2)
+    params = params_of(models)
+    x, y = make_input("tensor", 40, 1), make_input("tensor", 40, 2)
+    gc = GradCache(models, loss_fn=clip(), memory_budget="12KiB")
+    zero(params)
+    torch.manual_seed(4)
+    gc(x, y)
+    sizes = gc.last_chunk_sizes
+    assert all(1 <= s < 40 for s in sizes), sizes
+    got = grads(params)
+    zero(params)
+    reference(models, [x, y], sizes, clip(), seed=4)
+    for i, (g, r) in enumerate(zip(got, grads(params))):
+        assert_rel(g, r, TOL, f"auto-chunk grad {i}")
+    big = GradCache(models, loss_fn=clip(), memory_budget=2**30)
+    big(x, y)
+    assert big.last_chunk_sizes == [40, 40]
+    with pytest.raises(ValueError, match="chunk_sizes=<rows per chunk> or memory_budget"):
+        GradCache(models, loss_fn=clip())(x, y)
+    with pytest.raises(ValueError, match="too small for even one example"):
+        GradCache(models, loss_fn=clip(), memory_budget=64)(x, y)
+
+
+def test_parse_memory():
+    assert parse_memory("16GiB") == 16 * 2**30
+    assert parse_memory("1.5 MB") == 1_500_000
+    assert parse_memory(1024) == 1024
+    assert parse_memory(None) is None
+    for bad in ("16 parsecs", "-3GiB", "GiB", 0):
+        with pytest.raises(ValueError, match="memory_budget"):
+            parse_memory(bad)
+    with pytest.raises(TypeError, match="memory_budget"):
+        parse_memory([1])
+
+
+def test_bad_arguments():
+    m = make_models(2)
+    x = make_input("tensor", 6, 1)
+    with pytest.raises(TypeError, match="loss_fn"):
+        GradCache(m, chunk_sizes=2)
+    with pytest.raises(TypeError, match="models"):
+        GradCache([], chunk_sizes=2, loss_fn=clip())
+    with pytest.raises(ValueError, match="chunk_sizes"):
+        GradCache(m, chunk_sizes=0, loss_fn=clip())
+    with pytest.raises(ValueError, match="ddp_sync"):
+        GradCache(m, chunk_sizes=2, loss_fn=clip(), ddp_sync="sometimes")
+    with pytest.raises(ValueError, match="autocast_dtype"):
+        GradCache(m, chunk_sizes=2, loss_fn=clip(), autocast_dtype=torch.float64)
+    with pytest.raises(ValueError, match="3 inputs for 2 models"):
+        GradCache(m, chunk_sizes=2, loss_fn=clip())(x, x, x)
+    with pytest.raises(ValueError, match="chunk_sizes has 3 entries"):
+        GradCache(m, chunk_sizes=[2, 2, 2], loss_fn=clip())(x, x)
+    with pytest.raises(ValueError, match="batch size"):
+        GradCache(m[0], chunk_sizes=2, loss_fn=clip())({"input_ids": x, "mask": x[:5]}, x)
+    with pytest.raises(ValueError, match="scalar"):
+        GradCache(m, chunk_sizes=2, loss_fn=lambda a, b: a @ b.T)(x, x)
+    with pytest.raises(TypeError, match="get_rep_fn"):
+        GradCache(m, chunk_sizes=2, loss_fn=clip(), get_rep_fn=lambda out: out.tolist())(x, x)
+    with pytest.raises(ValueError, match="dimension 0"):
+        GradCache(m, chunk_sizes=2, loss_fn=clip(), get_rep_fn=lambda out: out.T)(x, x)
+    with pytest.raises(ValueError, match="empty batch"):
+        GradCache(m, chunk_sizes=2, loss_fn=clip())(x[:0], x[:0])
+    with pytest.raises(ValueError, match="chunk_size"):
+        cached_encode(m[0], x, chunk_size=-1)
+
+
+def test_no_kept_graph_survives_an_error():
+    m = make_models(1)
+    x = make_input("tensor", 6, 1)
+
+    def failing(a, b):
+        raise RuntimeError("boom")
+
+    gc = GradCache(m, chunk_sizes=3, loss_fn=failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        gc(x, x)
