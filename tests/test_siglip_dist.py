@@ -70,9 +70,30 @@ def _neighbour_exchange_case(rank, world):
     return loss.detach(), loss.detach(), ql.grad, kl.grad, log_scale.grad, bias.grad
 
 
+def _weighted_case(rank, world, sizes):
+    """Ranks back-propagate different upstream gradients (loss_r * (r + 1))."""
+    import torch.distributed as dist
+
+    import bigbatch
+
+    q, k, labels = _global_batch(sizes, True)
+    off = sum(sizes[:rank])
+    sl = slice(off, off + sizes[rank])
+    ql, kl = q[sl].clone().requires_grad_(), k[sl].clone().requires_grad_()
+    log_scale = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+    bias = torch.tensor(-2.0, dtype=torch.float64, requires_grad=True)
+    loss = bigbatch.siglip_loss(ql, kl, log_scale.exp(), bias, labels=labels[sl], group=dist.group.WORLD, backend="torch")
+    (loss * (rank + 1)).backward()
+    return loss.detach(), loss.detach(), ql.grad, kl.grad, log_scale.grad, bias.grad
+
+
 def _worker(rank, world, cases):
     # Several cases per process group: spawning processes costs more than the cases themselves.
-    return [_run_case(rank, *case) for case in cases] + [_neighbour_exchange_case(rank, world)]
+    return (
+        [_run_case(rank, *case) for case in cases]
+        + [_neighbour_exchange_case(rank, world)]
+        + [_weighted_case(rank, world, WEIGHTED_SIZES[world])]
+    )
 
 
 def _check(results, sizes, with_labels, tol):
@@ -109,7 +130,31 @@ def test_ring_matches_single_process(world):
     per_rank = run_gloo(_worker, world, [c[:4] for c in cases])
     for i, (sizes, with_labels, _, _, tol) in enumerate(cases):
         _check([r[i] for r in per_rank], sizes, with_labels, tol)
-    _check([r[-1] for r in per_rank], [4] * world, False, 1e-12)
+    _check([r[-2] for r in per_rank], [4] * world, False, 1e-12)
+    _check_weighted([r[-1] for r in per_rank], WEIGHTED_SIZES[world])
+
+
+WEIGHTED_SIZES = {2: [3, 5], 3: [2, 5, 3]}
+
+
+def _check_weighted(results, sizes):
+    """Each rank's gradients are those of sum_r (r + 1) * loss_r (its own share for the scalars)."""
+    q, k, labels = _global_batch(sizes, True)
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    log_scale = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+    bias = torch.tensor(-2.0, dtype=torch.float64, requires_grad=True)
+    logits = log_scale.exp() * q @ k.t() + bias
+    z = (labels[:, None] == labels[None, :]).double() * 2 - 1
+    per_row = -torch.nn.functional.logsigmoid(z * logits).sum(dim=1)
+    w = len(sizes)
+    weights = torch.cat([torch.full((n,), float(r + 1), dtype=torch.float64) for r, n in enumerate(sizes)])
+    target = (weights * per_row).sum() * w / sum(sizes)
+    target.backward()
+    assert_rel(torch.cat([r[2] for r in results]), q.grad, 1e-12, "d image (weighted)")
+    assert_rel(torch.cat([r[3] for r in results]), k.grad, 1e-12, "d text (weighted)")
+    assert_rel(sum(r[4] for r in results), log_scale.grad, 1e-12, "d log_scale (weighted, summed shares)")
+    assert_rel(sum(r[5] for r in results), bias.grad, 1e-12, "d bias (weighted, summed shares)")
 
 
 def _bad_worker(rank, world):

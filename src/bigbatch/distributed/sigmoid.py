@@ -39,14 +39,21 @@ def _ring_pass(
     bias: Tensor,
     backend: SigmoidBackend,
     with_grad: bool,
+    *,
+    with_dq: bool = True,
+    dk_weight: Optional[Tensor] = None,
 ):
-    """Loss sum and (unscaled) ``dq``, own-block ``dk``, ``sum G`` over all blocks of the ring."""
+    """Loss sum and (unscaled) ``dq``, own-block ``dk``, ``sum G`` over all blocks of the ring.
+
+    ``dk_weight``: this rank's contributions to the travelling ``dk`` are multiplied by it (the
+    backward's re-run when ranks' upstream gradients differ). ``with_dq=False`` skips ``dq``.
+    """
     ct = compute_dtype(q.dtype)
     world, b, d = ring.world, q.shape[0], q.shape[1]
     bmax = max(sizes)
     k_bufs = [k.new_empty((bmax, d)) for _ in range(2)] if world > 1 else []
     id_bufs = [ids.new_empty((bmax,)) for _ in range(2)] if (world > 1 and ids is not None) else []
-    dq = torch.zeros((b, d), dtype=ct, device=q.device) if with_grad else None
+    dq = torch.zeros((b, d), dtype=ct, device=q.device) if (with_grad and with_dq) else None
     dk_work = [torch.empty((bmax, d), dtype=ct, device=q.device) for _ in range(2)] if with_grad else []
     dk_in = torch.empty((bmax, d), dtype=ct, device=q.device) if with_grad else None
     loss = torch.zeros((), dtype=ct, device=q.device)
@@ -81,6 +88,8 @@ def _ring_pass(
         loss += step_loss
         g_sum += step_g
         if with_grad:
+            if dk_weight is not None:
+                dk_loc.mul_(dk_weight)
             if dk_pending is not None:
                 # The partial dk of block ``src`` from ranks src .. rank-1 (sent by prev after its step t-1).
                 dk_loc.add_(dk_pending.wait()[0])
@@ -97,6 +106,16 @@ def _ring_pass(
 
 
 class _RingSigmoid(torch.autograd.Function):
+    """Forward: the whole ring pass, keeping dq, the own block's dk and the scalar gradients.
+
+    Backward semantics (as the softmax ring): each rank gets the gradient of the sum over ranks
+    of every rank's output times its upstream gradient. ``dq``, ``d_scale``, ``d_bias`` only
+    involve this rank's rows, so they are the kept values times this rank's upstream gradient.
+    ``dk`` mixes all ranks' rows: when every rank's upstream gradient is the same (the usual
+    ``loss.backward()``; one tiny all_gather checks it) it is the kept value times that gradient;
+    otherwise the ring is run again with each rank's contributions weighted by its gradient.
+    """
+
     @staticmethod
     def forward(ctx, q, k, scale, bias, ids, ring, sizes, backend, norm: float):
         ct = compute_dtype(q.dtype)
@@ -106,13 +125,27 @@ class _RingSigmoid(torch.autograd.Function):
         dq.mul_(factor)
         dk.mul_(factor)
         ctx.in_dtype = q.dtype
-        ctx.save_for_backward(dq, dk, d_scale, g_sum.mul_(norm))
+        ctx.ring, ctx.sizes, ctx.backend, ctx.ids, ctx.norm = ring, sizes, backend, ids, norm
+        ctx.save_for_backward(q, k, scale, bias, dq, dk, d_scale, g_sum.mul_(norm))
         return loss.mul_(norm)
 
     @staticmethod
     def backward(ctx, grad):
-        dq, dk, d_scale, d_bias = ctx.saved_tensors
+        q, k, scale, bias, dq, dk, d_scale, d_bias = ctx.saved_tensors
         g = grad.to(dq.dtype)
+        ring = ctx.ring
+        if ring.world > 1:
+            import torch.distributed as dist
+
+            mine = g.detach().reshape(1).to(torch.float64)
+            every = [torch.empty_like(mine) for _ in range(ring.world)]
+            dist.all_gather(every, mine, group=ring.group)
+            if any(not torch.equal(x, mine) for x in every):  # same decision on every rank
+                _, _, dk_w, _ = _ring_pass(
+                    ring, ctx.sizes, q, k, ctx.ids, scale, bias, ctx.backend, with_grad=True, with_dq=False, dk_weight=g
+                )
+                return ((dq * g).to(ctx.in_dtype), dk_w.mul_(scale * ctx.norm).to(ctx.in_dtype), d_scale * g,
+                        d_bias * g, None, None, None, None, None)
         return (dq * g).to(ctx.in_dtype), (dk * g).to(ctx.in_dtype), d_scale * g, d_bias * g, None, None, None, None, None
 
 
