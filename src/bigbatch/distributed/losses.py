@@ -20,7 +20,7 @@ from torch import Tensor
 from ..backends.base import TileBackend, compute_dtype
 from .gather import gather_with_grad
 from .ring import Ring, agree, dtype_code, offsets
-from .softmax import RingPlan, grad_chunk_rows, positive_index, ring_softmax_stats
+from .softmax import RingPlan, grad_chunk_rows, own_positives, positive_index, ring_softmax_stats
 
 Backend = Union[str, TileBackend]
 
@@ -79,19 +79,18 @@ def _agree(ring: Ring, q: Tensor, k: Tensor, scale: Tensor, *, kind: str, reduct
     return table
 
 
-def _plan(ring: Ring, table: dict, q: Tensor, labels: Tensor, *, cols: bool, chunk: Optional[int]) -> RingPlan:
+def _plan(ring: Ring, table: dict, q: Tensor, labels: Optional[Tensor], *, cols: bool,
+          chunk: Optional[int]) -> RingPlan:
+    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+        raise ValueError(f"grad_chunk must be a positive int or None, got {chunk!r}")
+    chunk = chunk or grad_chunk_rows(q.shape[1])
     q_sizes = [int(v) for v in table["q_rows"]]
     k_sizes = [int(v) for v in table["k_rows"]]
     if cols:  # CLIP: every positive is in this rank's own block, no sync needed
-        rows: list = [None] * ring.world
-        cols_idx: list = [None] * ring.world
-        ar = torch.arange(q.shape[0], device=q.device)
-        rows[ring.rank], cols_idx[ring.rank] = ar, ar
+        pos = own_positives(q.shape[0], ring.rank, chunk, q.device)
     else:
-        rows, cols_idx = positive_index(labels, k_sizes, ring.world)
-    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
-        raise ValueError(f"grad_chunk must be a positive int or None, got {chunk!r}")
-    return RingPlan(ring, q_sizes, k_sizes, cols, rows, cols_idx, chunk or grad_chunk_rows(q.shape[1]))
+        pos = positive_index(labels, k_sizes, chunk)
+    return RingPlan(ring, q_sizes, k_sizes, cols, chunk, pos)
 
 
 def ring_clip_loss(

@@ -104,24 +104,24 @@ class Ring:
         return (self.rank - step) % self.world
 
     def shift(self, send: Sequence[Tensor], recv: Sequence[Tensor]) -> Pending:
-        """Post ``send[i] -> next`` and ``prev -> recv[i]`` for all i, as one batch; don't wait.
+        """Post every ``send`` tensor to ``next`` and every ``recv`` buffer from ``prev``, as one batch.
 
-        ``recv[i]`` must be preallocated with the shape/dtype of what ``prev`` sends as its
-        ``send[i]`` (messages between one pair of ranks match in posting order). On a ring of
-        one, ``recv[i]`` is a copy of ``send[i]``. NCCL needs CUDA tensors, gloo CPU tensors.
+        Doesn't wait. Messages between a pair of ranks match in posting order, so ``recv`` must
+        be preallocated with the shapes/dtypes, in order, of what ``prev`` sends in its matching
+        call; ``send`` and ``recv`` may differ in number (e.g. blocks of different sizes split
+        into different numbers of chunks). On a ring of one, ``recv[i]`` becomes a copy of
+        ``send[i]`` (equal numbers needed). NCCL needs CUDA tensors, gloo CPU tensors.
         """
-        if len(send) != len(recv):
-            raise ValueError(f"Ring.shift: {len(send)} tensors to send but {len(recv)} to receive")
+        if self.world == 1 and len(send) != len(recv):
+            raise ValueError(f"Ring.shift on a ring of one: {len(send)} tensors to send but {len(recv)} to receive")
         send = [t.contiguous() for t in send]
         recv = list(recv)
         if self.world == 1:
             for s, r in zip(send, recv):
                 r.copy_(s)
             return Pending([], [], recv)
-        ops = []
-        for s, r in zip(send, recv):
-            ops.append(dist.P2POp(dist.isend, s, self.next_peer, self.group))
-            ops.append(dist.P2POp(dist.irecv, r, self.prev_peer, self.group))
+        ops = [dist.P2POp(dist.isend, s, self.next_peer, self.group) for s in send]
+        ops += [dist.P2POp(dist.irecv, r, self.prev_peer, self.group) for r in recv]
         works = dist.batch_isend_irecv(ops) if ops else []
         return Pending(works, send, recv)
 

@@ -16,11 +16,16 @@ after its own partial for block ``j``. One final shift brings each block's compl
 LSE home. Extra memory: one incoming key block plus O(b + n) statistics.
 
 Backward (``world`` steps): key blocks travel again with what their columns need
-(``lse_col``, ``g_col``), and an fp32 ``dk`` accumulator travels one step behind,
-as above; ``dq`` accumulates locally in fp32. Backend calls are chunked so that each
-call's fp32 ``dq``/``dk`` outputs stay small. Extra memory (fp32): ``dq`` (b x D), two
-``dk`` accumulators (one arriving, one leaving; n x D each), one incoming key block and
-the chunk outputs: O((b + n) * D). FLOPs per rank: 8 * b_r * N * D, as on one GPU.
+(``lse_col``, ``g_col``); ``dq`` accumulates locally in fp32. The fp32 ``dk`` accumulator of a
+block travels one step behind its keys, CHUNK BY CHUNK: a block is split into column chunks of
+``plan.chunk`` keys, each backend call covers (row chunk x column chunk), and while chunk ``i``
+of the visiting block is computed, chunk ``i`` of the previous block's accumulator leaves and
+chunk ``i`` of this block's arrives (then the partial is added to it). Extra memory per rank
+(fp32 unless said): ``dq`` (b x D) + about one block's ``dk`` accumulator (n x D; chunks leave
+as others arrive) + one incoming key block (input dtype) + one backend call's outputs and
+workspace (2 chunks x D) -- O((b + n) * D), independent of the world size.
+FLOPs per rank: 8 * b_r * N * D, as on one GPU; bytes sent per rank per call:
+forward n*D*(input bytes) per step, backward n*D*(input bytes + 4) per step.
 
 Semantics (DESIGN.md section 2): each rank's backward returns the gradient of the SUM
 over ranks of every rank's outputs weighted by its upstream gradients, w.r.t. its local
@@ -32,7 +37,7 @@ of the group must run the forward and the backward (they are collectives).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -57,21 +62,24 @@ class RingPlan:
     q_sizes: List[int]  # queries per group rank
     k_sizes: List[int]  # keys per group rank
     cols: bool  # also the column LSEs (CLIP: keys are the other modality)
-    # pos_rows[j] / pos_cols[j]: local query rows whose positive key is in block j, and its
-    # index inside block j (None when no label points into block j).
-    pos_rows: List[Optional[Tensor]]
-    pos_cols: List[Optional[Tensor]]
-    chunk: int  # rows/cols per backward backend call
+    chunk: int  # rows/cols per backward backend call; key blocks are split into such chunks
+    # pos[(j, i)] = (local query rows, their positive key's index inside chunk i of block j)
+    # for every chunk that some label of this rank points into.
+    pos: Dict[Tuple[int, int], Tuple[Tensor, Tensor]]
+
+    def key_chunks(self, j: int) -> List[slice]:
+        """The column chunks of key block ``j`` (same on every rank)."""
+        return _chunks(self.k_sizes[j], self.chunk)
 
 
 def _chunks(total: int, size: int) -> List[slice]:
     return [slice(s, min(s + size, total)) for s in range(0, total, size)]
 
 
-def _positive(q: Tensor, blk: Tensor, rows: Tensor, cols: Tensor, ct: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
-    """(q rows, key rows, unscaled dot products) for the labelled pairs in one block, in ``ct``."""
+def _dots(q: Tensor, kc: Tensor, rows: Tensor, cols: Tensor, ct: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
+    """(q rows, key rows, unscaled dot products) of the labelled pairs in one key chunk, in ``ct``."""
     qs = q.index_select(0, rows).to(ct)
-    ks = blk.index_select(0, cols).to(ct)
+    ks = kc.index_select(0, cols).to(ct)
     return qs, ks, (qs * ks).sum(dim=1)
 
 
@@ -101,23 +109,23 @@ class RingSoftmax(torch.autograd.Function):
 
             row_part, col_part = backend.lse(q, blk, scale_d, rows=True, cols=cols)
             lse_row = row_part if lse_row is None else torch.logaddexp(lse_row, row_part)
-            if plan.pos_rows[j] is not None:
-                _, _, dots = _positive(q, blk, plan.pos_rows[j], plan.pos_cols[j], ct)
-                pos.index_copy_(0, plan.pos_rows[j], dots * scale_d)
+            for i, cs in enumerate(plan.key_chunks(j)):
+                if (j, i) in plan.pos:
+                    rows, idx = plan.pos[(j, i)]
+                    _, _, dots = _dots(q, blk[cs], rows, idx, ct)
+                    pos.index_copy_(0, rows, dots * scale_d)
 
             got = pending.wait() if pending is not None else []
             if cols:
                 acc_out = col_part if t == 0 else torch.logaddexp(got[-1], col_part)
             if t < ring.world - 1:
                 blk = got[0]
-        if cols:
-            # acc_out now holds block (rank + 1)'s complete column LSE: send it home.
-            if ring.world == 1:
-                lse_col = acc_out
-            else:
-                lse_col = ring.shift([acc_out], [q.new_empty((k.shape[0],), dtype=ct)]).wait()[0]
-        else:
+        if not cols:
             lse_col = q.new_empty((0,), dtype=ct)
+        elif ring.world == 1:
+            lse_col = acc_out
+        else:  # acc_out holds block (rank + 1)'s complete column LSE: send it home
+            lse_col = ring.shift([acc_out], [q.new_empty((k.shape[0],), dtype=ct)]).wait()[0]
         ctx.plan, ctx.backend = plan, backend
         ctx.save_for_backward(q, k, scale_d, lse_row, lse_col)
         return lse_row, lse_col, pos
@@ -136,11 +144,14 @@ class RingSoftmax(torch.autograd.Function):
         d_scale = torch.zeros((), dtype=ct, device=q.device)
         # What a key block's columns need, travelling with it.
         static: List[Tensor] = [k, lse_col, g_col.to(ct).contiguous()] if cols else [k]
-        acc_out: Optional[Tensor] = None  # dk accumulator of the previous step's block (fp32)
+        # The fp32 dk accumulator of a block is a list of per-chunk tensors, so that it can travel
+        # chunk by chunk: a chunk leaves as soon as the same chunk of the next block arrives,
+        # and at most about one block's accumulator (plus a chunk) is alive at a time.
+        acc_out: List[Optional[Tensor]] = []  # previous step's block, to send on
         row_chunks = _chunks(b, plan.chunk)
         for t in range(ring.world):
             j = ring.block_at(t)
-            n_j = plan.k_sizes[j]
+            chunks = plan.key_chunks(j)
             pend_static = None
             if t < ring.world - 1:
                 n_next = plan.k_sizes[ring.block_at(t + 1)]
@@ -148,47 +159,56 @@ class RingSoftmax(torch.autograd.Function):
                 if cols:
                     bufs += [q.new_empty((n_next,), dtype=ct), q.new_empty((n_next,), dtype=ct)]
                 pend_static = ring.shift(static, bufs)
-            pend_acc = ring.shift([acc_out], [q.new_empty((n_j, d), dtype=ct)]) if t >= 1 else None
             kb = static[0]
             lcb, gcb = (static[1], static[2]) if cols else (None, None)
-
-            acc: Optional[Tensor] = None
-            for cs in _chunks(n_j, plan.chunk):
+            acc: List[Optional[Tensor]] = []
+            for i in range(max(len(chunks), len(acc_out))):
+                # chunk i of the previous block's accumulator -> next; chunk i of this block's <- prev
+                send = [acc_out[i]] if i < len(acc_out) else []
+                recv = [q.new_empty((chunks[i].stop - chunks[i].start, d), dtype=ct)] if t >= 1 and i < len(chunks) else []
+                pending = ring.shift(send, recv) if (send or recv) else None
                 dk_cs: Optional[Tensor] = None
-                for rs in row_chunks:
-                    dq_c, dk_c, ds_c = backend.lse_grad(
-                        q[rs], kb[cs], scale, lse_row[rs], lcb[cs] if cols else None,
-                        g_row[rs], gcb[cs] if cols else None, grad_dtype=ct,
-                    )
-                    dq[rs] += dq_c
-                    d_scale += ds_c
-                    dk_cs = dk_c if dk_cs is None else dk_cs.add_(dk_c)
-                if acc is None:
-                    # The incoming accumulator arrived during the first chunk; the outgoing one
-                    # is released here, so at most two n x D fp32 accumulators are alive.
-                    if pend_acc is not None:
-                        acc = pend_acc.wait()[0]
-                        pend_acc, acc_out = None, None
-                    else:
-                        acc = torch.zeros((n_j, d), dtype=ct, device=q.device)
-                acc[cs] += dk_cs
-            rows_j = plan.pos_rows[j]
-            if rows_j is not None:  # positive logits: pos_i = s * q_i . k_{y_i}
-                qs, ks, dots = _positive(q, kb, rows_j, plan.pos_cols[j], ct)
-                gp = g_pos.index_select(0, rows_j)
-                coef = (gp * scale)[:, None]
-                dq.index_add_(0, rows_j, coef * ks)
-                acc.index_add_(0, plan.pos_cols[j], coef * qs)
-                d_scale += (gp * dots).sum()
+                if i < len(chunks):
+                    cs = chunks[i]
+                    for rs in row_chunks:
+                        dq_c, dk_c, ds_c = backend.lse_grad(
+                            q[rs], kb[cs], scale, lse_row[rs], lcb[cs] if cols else None,
+                            g_row[rs], gcb[cs] if cols else None, grad_dtype=ct,
+                        )
+                        dq[rs] += dq_c
+                        d_scale += ds_c
+                        dk_cs = dk_c if dk_cs is None else dk_cs.add_(dk_c)
+                    if (j, i) in plan.pos:  # positive logits pos_r = s * q_r . k_c
+                        rows, idx = plan.pos[(j, i)]
+                        qs, ks, dots = _dots(q, kb[cs], rows, idx, ct)
+                        gp = g_pos.index_select(0, rows)
+                        coef = (gp * scale)[:, None]
+                        dq.index_add_(0, rows, coef * ks)
+                        dk_cs.index_add_(0, idx, coef * qs)
+                        d_scale += (gp * dots).sum()
+                got = pending.wait() if pending is not None else []
+                if send:
+                    acc_out[i] = None  # sent: release it
+                if i < len(chunks):
+                    acc.append(got[0].add_(dk_cs) if recv else dk_cs)
             if pend_static is not None:
                 static = pend_static.wait()
             acc_out = acc
-        # acc_out holds block (rank + 1)'s complete dk: send it home.
-        if ring.world == 1:
-            dk = acc_out
-        else:
-            dk = ring.shift([acc_out], [q.new_empty(k.shape, dtype=ct)]).wait()[0]
-        return dq.to(q.dtype), dk.to(k.dtype), d_scale.to(scale.dtype), None, None
+        # acc_out holds block (rank + 1)'s complete dk (world 1: this rank's): send it home.
+        dk = k.new_empty(k.shape)
+        own = plan.key_chunks(ring.rank)
+        for i in range(max(len(own), len(acc_out))):
+            if ring.world == 1:
+                dk[own[i]] = acc_out[i]
+                continue
+            send = [acc_out[i]] if i < len(acc_out) else []
+            recv = [q.new_empty((own[i].stop - own[i].start, d), dtype=ct)] if i < len(own) else []
+            got = ring.shift(send, recv).wait()
+            if send:
+                acc_out[i] = None
+            if recv:
+                dk[own[i]] = got[0]
+        return dq.to(q.dtype), dk, d_scale.to(scale.dtype), None, None
 
 
 def ring_softmax_stats(
@@ -199,32 +219,30 @@ def ring_softmax_stats(
 
 
 def positive_index(
-    labels: Tensor, k_sizes: Sequence[int], world: int
-) -> Tuple[List[Optional[Tensor]], List[Optional[Tensor]]]:
-    """Split global ``labels`` by the key block they point into: per block, (rows, index in block).
+    labels: Tensor, k_sizes: Sequence[int], chunk: int
+) -> Dict[Tuple[int, int], Tuple[Tensor, Tensor]]:
+    """Group global ``labels`` by the key chunk they point into: ``{(block, chunk): (rows, index)}``.
 
-    One host sync (the per-block counts).
+    One host sync (the per-chunk counts).
     """
-    bounds = torch.tensor(list(_cumsum(k_sizes))[1:-1], dtype=labels.dtype, device=labels.device)
-    block = torch.bucketize(labels, bounds, right=True)
-    counts = torch.bincount(block, minlength=world).tolist()
-    order = torch.argsort(block, stable=True)
-    starts = list(_cumsum(k_sizes))
-    rows: List[Optional[Tensor]] = []
-    cols: List[Optional[Tensor]] = []
-    for j, part in enumerate(torch.split(order, counts)):
-        if counts[j] == 0:
-            rows.append(None)
-            cols.append(None)
-        else:
-            rows.append(part)
-            cols.append(labels.index_select(0, part) - starts[j])
-    return rows, cols
+    segments: List[Tuple[int, int, int]] = []  # (block, chunk, global start)
+    start = 0
+    for j, n in enumerate(k_sizes):
+        for i, cs in enumerate(_chunks(int(n), chunk)):
+            segments.append((j, i, start + cs.start))
+        start += int(n)
+    bounds = torch.tensor([seg[2] for seg in segments[1:]], dtype=labels.dtype, device=labels.device)
+    seg_of = torch.bucketize(labels, bounds, right=True)
+    counts = torch.bincount(seg_of, minlength=len(segments)).tolist()
+    order = torch.argsort(seg_of, stable=True)
+    out: Dict[Tuple[int, int], Tuple[Tensor, Tensor]] = {}
+    for (j, i, g0), rows, c in zip(segments, torch.split(order, counts), counts):
+        if c:
+            out[(j, i)] = (rows, labels.index_select(0, rows) - g0)
+    return out
 
 
-def _cumsum(sizes: Sequence[int]):
-    total = 0
-    yield 0
-    for s in sizes:
-        total += int(s)
-        yield total
+def own_positives(b: int, rank: int, chunk: int, device: torch.device) -> Dict[Tuple[int, int], Tuple[Tensor, Tensor]]:
+    """CLIP's positives: row r of this rank pairs with key r of this rank's block (no sync)."""
+    ar = torch.arange(b, device=device)
+    return {(rank, i): (ar[cs], ar[: cs.stop - cs.start]) for i, cs in enumerate(_chunks(b, chunk))}

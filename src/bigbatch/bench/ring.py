@@ -1,0 +1,328 @@
+"""Multi-GPU benchmark of the CLIP loss over a global batch sharded across ranks (torchrun).
+
+    torchrun --nproc-per-node=2 -m bigbatch.bench.ring                 # -> benchmarks/results/ring_h200x2.json
+    torchrun --nproc-per-node=2 -m bigbatch.bench.ring --batches 65536 --peers ring gather
+
+One process per GPU, NCCL. In one run:
+1. the bf16 matmul rate of every GPU and the ring's point-to-point bandwidth (one block shift);
+2. a correctness check: the ring (auto/triton and torch tiles; bf16 and fp32; uneven shards)
+   against the float64 single-process reference on the same global batch, loss and every
+   gradient (local features, scale) under DDP-style averaging;
+3. per global B (D=512, bf16 features): per-rank median time of forward+backward (CUDA
+   events; warm-up; the slowest rank is the ring's time), per-rank peak memory above the
+   inputs and their gradients, for the peers side by side:
+   ``ring`` (bigbatch, backend auto), ``gather`` (OpenCLIP-style gather-with-grad, local rows
+   x global columns; skipped when its b_local x B logits cannot fit), ``infcl`` (inf-cl 1.2.1's
+   ring, fp32 inputs, when importable), and ``single`` (bigbatch on ONE GPU, rank 0, the whole
+   global batch: the baseline of the scaling efficiency t(1 GPU, B) / (n * t(n GPUs, B))).
+Rank 0 prints progress and writes the JSON (hardware named).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .common import cuda_time_ms, hardware, matmul_tflops, measure, wall_time_ms, write_json
+
+PEERS = ("ring", "gather", "infcl", "single")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# OpenCLIP-style gather: live fp32 (b_local x B) matrices in forward+backward, calibrated on
+# DESIGN.md section 3 (65,536 on 2 GPUs -> 32 GiB): used only to skip cases that cannot fit.
+_GATHER_BXB_COPIES = 4
+_LOGIT_SCALE = math.log(1 / 0.07)
+
+
+def _log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _measure(fn: Callable[[], Any], device, *, warmup: int, repeat: int) -> Dict[str, Any]:
+    """common.measure on CUDA; wall-clock without memory on the CPU (smoke runs only)."""
+    if device.type == "cuda":
+        return measure(fn, warmup=warmup, repeat=repeat)
+    times = wall_time_ms(fn, warmup=warmup, repeat=repeat)
+    return {"status": "ok", "median_ms": statistics.median(times), "times_ms": times, "extra_gib": None}
+
+
+def _time_ms(fn: Callable[[], Any], device, *, warmup: int, repeat: int) -> float:
+    timer = cuda_time_ms if device.type == "cuda" else wall_time_ms
+    return statistics.median(timer(fn, warmup=warmup, repeat=repeat))
+
+
+def _unit(b: int, d: int, dtype: torch.dtype, seed: int, device) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(b, d, generator=g, device=device, dtype=torch.float32)
+    return torch.nn.functional.normalize(x, dim=1).to(dtype)
+
+
+def _resolve(name: str, device) -> Any:
+    """The tile backend ``name`` resolves to here; a missing Triton backend falls back, said so."""
+    from bigbatch.backends import resolve_backend
+
+    try:
+        return resolve_backend(name, device)
+    except (ImportError, ValueError) as exc:
+        if name != "auto":
+            raise
+        from bigbatch.backends import TorchTiles
+
+        _log(f"backend auto unavailable ({exc}); using torch tiles")
+        return TorchTiles()
+
+
+# --------------------------------------------------------------------------- correctness
+def _check(device, rank: int, world: int, dtype: torch.dtype, backend, sizes: List[int], d: int) -> Dict[str, Any]:
+    """Ring loss/grads vs the float64 single-process reference on the same global batch."""
+    import bigbatch
+    from bigbatch import reference
+
+    total = sum(sizes)
+    img = _unit(total, d, torch.float32, 11, device)
+    txt = _unit(total, d, torch.float32, 12, device)
+    ls = torch.tensor(_LOGIT_SCALE, dtype=torch.float64, device=device, requires_grad=True)
+    ri, rt = img.double().requires_grad_(), txt.double().requires_grad_()
+    ref = reference.clip_loss(ri, rt, ls.exp())
+    ref.backward()
+    start = sum(sizes[:rank])
+    sl = slice(start, start + sizes[rank])
+    li = img[sl].to(dtype).requires_grad_()
+    lt = txt[sl].to(dtype).requires_grad_()
+    lls = torch.tensor(_LOGIT_SCALE, dtype=torch.float32, device=device, requires_grad=True)
+    loss = bigbatch.clip_loss(li, lt, lls.exp(), group=dist.group.WORLD, backend=backend)
+    loss.backward()
+
+    mean_loss = loss.detach().double().clone()
+    dist.all_reduce(mean_loss)
+    g_ls = lls.grad.detach().double().clone()
+    dist.all_reduce(g_ls)
+    # squared error and reference norms summed over all shards -> global relative errors
+    sq = lambda x: float((x.double() ** 2).sum())  # noqa: E731
+    errs = torch.tensor(
+        [sq(li.grad.double() / world - ri.grad[sl]), sq(ri.grad[sl]),
+         sq(lt.grad.double() / world - rt.grad[sl]), sq(rt.grad[sl])],
+        dtype=torch.float64, device=device,
+    )
+    dist.all_reduce(errs)
+    return {
+        "dtype": str(dtype).replace("torch.", ""),
+        "backend": getattr(backend, "name", str(backend)),
+        "shards": sizes,
+        "D": d,
+        "loss_rel_err": abs(mean_loss.item() / world - ref.item()) / abs(ref.item()),
+        "d_image_rel_err": math.sqrt(errs[0].item() / errs[1].item()),
+        "d_text_rel_err": math.sqrt(errs[2].item() / errs[3].item()),
+        "d_scale_rel_err": abs(g_ls.item() / world - ls.grad.item()) / abs(ls.grad.item()),
+    }
+
+
+# --------------------------------------------------------------------------- peers
+def _infcl_step(img, txt, ls):
+    from inf_cl import cal_inf_loss
+
+    s = ls.exp()
+    loss = 0.5 * (cal_inf_loss(img, txt, scale=s) + cal_inf_loss(txt, img, scale=s))
+    loss.backward()
+
+
+def _case(peer: str, b_global: int, d: int, dtype: torch.dtype, args, device, backend) -> Dict[str, Any]:
+    import bigbatch
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    b_local = b_global // world
+    row: Dict[str, Any] = {"peer": peer, "B": b_global, "D": d, "b_local": b_local}
+    if peer == "infcl":
+        try:
+            import inf_cl  # noqa: F401
+        except Exception as exc:
+            return {**row, "status": f"skipped: inf_cl not importable ({type(exc).__name__}: {exc})"[:300]}
+        dtype = torch.float32  # inf-cl computes in fp32 (TF32 dots) whatever it is given
+    if peer == "gather":
+        need = _GATHER_BXB_COPIES * b_local * b_global * 4
+        cap = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 2**40
+        if need > 0.8 * cap:
+            return {**row, "status": f"skipped: predicted {need / 2**30:.0f} GiB of b_local x B logits "
+                                     f"> 80% of {cap / 2**30:.0f} GiB"}
+    rows_here = b_global if peer == "single" else b_local
+    row["dtype"] = str(dtype).replace("torch.", "")
+    if peer == "single" and rank != 0:
+        dist.barrier()
+        return {**row, "status": "ran on rank 0"}
+    img = _unit(rows_here, d, dtype, 100 + rank, device).requires_grad_()
+    txt = _unit(rows_here, d, dtype, 200 + rank, device).requires_grad_()
+    ls = torch.tensor(_LOGIT_SCALE, dtype=torch.float32, device=device, requires_grad=True)
+    grad_bytes = 2 * rows_here * d * img.element_size()
+
+    if peer == "infcl":
+        def body():
+            _infcl_step(img, txt, ls)
+    else:
+        group = None if peer == "single" else dist.group.WORLD
+        be = "reference" if peer == "gather" else backend
+
+        def body():
+            bigbatch.clip_loss(img, txt, ls.exp(), group=group, backend=be).backward()
+
+    def step():
+        img.grad = txt.grad = ls.grad = None
+        body()
+
+    repeat = args.repeat_slow if (peer == "infcl" and b_global >= 131072) else args.repeat
+    res = _measure(step, device, warmup=1, repeat=repeat)
+    if peer == "single":
+        dist.barrier()
+    res["extra_gib_raw"] = res.pop("extra_gib", None)
+    # DESIGN.md: extra memory is counted beyond the inputs AND their gradients (inherent).
+    raw = res.get("extra_gib_raw")
+    res["extra_gib"] = None if raw is None else raw - grad_bytes / 2**30
+    return {**row, **res}
+
+
+def _shift_bandwidth(device, b_local: int, d: int) -> Dict[str, Any]:
+    """One ring shift of a (b_local x D) block, bf16 and fp32: the link the ring relies on."""
+    from bigbatch.distributed import Ring
+
+    ring = Ring.of(dist.group.WORLD)
+    out = {}
+    for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        x = torch.randn(b_local, d, device=device).to(dt)
+        y = torch.empty_like(x)
+        ms = _time_ms(lambda: ring.shift([x], [y]).wait(), device, warmup=2, repeat=5)
+        out[name] = {"bytes": x.numel() * x.element_size(), "median_ms": ms,
+                     "GB_per_s": x.numel() * x.element_size() / (ms * 1e-3) / 1e9}
+    return out
+
+
+def _summary(rows: List[Dict[str, Any]], world: int, rate: float) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for b in sorted({r["B"] for r in rows}):
+        def get(peer):
+            for r in rows:
+                if r["B"] == b and r["peer"] == peer and r.get("status") == "ok":
+                    return r
+            return None
+        ring, single, infcl, gather = get("ring"), get("single"), get("infcl"), get("gather")
+        s: Dict[str, Any] = {}
+        if ring:
+            s["ring_ms"] = ring["median_ms"]
+            s["ring_extra_gib"] = ring.get("extra_gib")
+            s["ring_effective_tflops_per_gpu"] = 8.0 * b * b * 512 / world / (ring["median_ms"] * 1e-3) / 1e12 if ring["D"] == 512 else None
+            s["ring_pct_of_bf16_matmul"] = 100 * s["ring_effective_tflops_per_gpu"] / rate if rate else None
+        if ring and single:
+            s["single_gpu_ms"] = single["median_ms"]
+            s["scaling_efficiency"] = single["median_ms"] / (world * ring["median_ms"])
+        if ring and infcl:
+            s["infcl_ms"] = infcl["median_ms"]
+            s["speedup_vs_infcl"] = infcl["median_ms"] / ring["median_ms"]
+        if ring and gather:
+            s["gather_ms"] = gather["median_ms"]
+            s["speedup_vs_gather"] = gather["median_ms"] / ring["median_ms"]
+        out[str(b)] = s
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", type=int, nargs="+", default=[65536, 131072, 262144], help="global batch sizes")
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS))
+    p.add_argument("--backend", default="auto", help="tile backend of the ring and the single-GPU baseline")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat-slow", type=int, default=2, help="repeats of inf-cl at B >= 131072")
+    p.add_argument("--no-check", action="store_true", help="skip the correctness check")
+    p.add_argument("--cpu-smoke", action="store_true", help="run on CPUs with gloo (tiny sizes; a smoke test)")
+    p.add_argument("--check-batch", type=int, default=8192, help="global batch of the correctness check")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ring_h200x<n>.json)")
+    args = p.parse_args(argv)
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300), device_id=device)
+    elif args.cpu_smoke:  # gloo on the CPU: checks that the script runs, numbers mean nothing
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    else:
+        print("bigbatch.bench.ring needs CUDA GPUs (run it with torchrun, one process per GPU)", file=sys.stderr)
+        return 2
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = DTYPES[args.dtype]
+    backend = _resolve(args.backend, device)
+    _log(f"{world} ranks, backend {getattr(backend, 'name', backend)}, batches {args.batches}, D {args.dim}")
+
+    rate = matmul_tflops(torch.bfloat16) if device.type == "cuda" else 0.0
+    rates = [None] * world
+    dist.all_gather_object(rates, rate)
+    _log(f"bf16 matmul TFLOP/s per rank: {[round(r) for r in rates]}")
+    payload: Dict[str, Any] = {
+        "benchmark": "ring", "world_size": world, "hardware": hardware(), "dtype": args.dtype, "D": args.dim,
+        "backend": getattr(backend, "name", str(backend)), "matmul_bf16_tflops_per_rank": rates,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
+    }
+    shift_b = max(args.batches) // world
+    payload["shift"] = _shift_bandwidth(device, shift_b, args.dim)
+    _log(f"ring shift of {shift_b}x{args.dim}: {payload['shift']}")
+
+    if not args.no_check:
+        from bigbatch.backends import TorchTiles
+
+        checks = []
+        b_chk = args.check_batch
+        skew = b_chk // (4 * world)  # shards of different sizes: rank 0 gets more, rank 1 fewer
+        uneven = [b_chk // world + (skew if r == 0 else -skew if r == 1 else 0) for r in range(world)]
+        uneven[-1] += b_chk - sum(uneven)
+        for dt, be in ((torch.bfloat16, backend), (torch.float32, backend), (torch.bfloat16, TorchTiles())):
+            c = _check(device, rank, world, dt, be, uneven, args.dim)
+            checks.append(c)
+            _log(f"check {c}")
+        payload["checks"] = checks
+
+    rows: List[Dict[str, Any]] = []
+    for b in args.batches:
+        for peer in args.peers:
+            t0 = time.time()
+            r = _case(peer, b, args.dim, dtype, args, device, backend)
+            per_rank = [None] * world
+            dist.all_gather_object(per_rank, r)
+            if peer == "single":
+                merged = dict(per_rank[0])
+            else:
+                merged = dict(per_rank[0])
+                oks = [x for x in per_rank if x.get("status") == "ok"]
+                if len(oks) == world:
+                    merged["median_ms"] = max(x["median_ms"] for x in oks)  # the ring is as slow as its slowest rank
+                    mems = [x.get("extra_gib") for x in oks if x.get("extra_gib") is not None]
+                    merged["extra_gib"] = max(mems) if mems else None
+                merged["per_rank"] = [{k: x.get(k) for k in ("status", "median_ms", "times_ms", "extra_gib", "extra_gib_raw")} for x in per_rank]
+            rows.append(merged)
+            _log(f"B={b} {peer}: {merged.get('status')} {merged.get('median_ms')} ms, extra {merged.get('extra_gib')} GiB "
+                 f"({time.time() - t0:.1f} s)")
+            torch.cuda.empty_cache()
+    payload["rows"] = rows
+    payload["summary"] = _summary(rows, world, min(rates))
+    if rank == 0:
+        gpu = torch.cuda.get_device_name(0).split()[-1].lower() if device.type == "cuda" else "cpu"
+        path = args.out or os.path.join("benchmarks", "results", f"ring_{gpu}x{world}.json")
+        write_json(path, payload)
+        _log(f"wrote {path}")
+        for b, s in payload["summary"].items():
+            print(b, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.items()}, flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
