@@ -216,7 +216,7 @@ def _summary(rows: List[Dict[str, Any]], world: int, rate: float) -> Dict[str, A
         if ring:
             s["ring_ms"] = ring["median_ms"]
             s["ring_extra_gib"] = ring.get("extra_gib")
-            s["ring_effective_tflops_per_gpu"] = 8.0 * b * b * 512 / world / (ring["median_ms"] * 1e-3) / 1e12 if ring["D"] == 512 else None
+            s["ring_effective_tflops_per_gpu"] = 8.0 * b * b * ring["D"] / world / (ring["median_ms"] * 1e-3) / 1e12
             s["ring_pct_of_bf16_matmul"] = 100 * s["ring_effective_tflops_per_gpu"] / rate if rate else None
         if ring and single:
             s["single_gpu_ms"] = single["median_ms"]
@@ -239,7 +239,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS))
     p.add_argument("--backend", default="auto", help="tile backend of the ring and the single-GPU baseline")
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--repeat-slow", type=int, default=2, help="repeats of inf-cl at B >= 131072")
+    p.add_argument("--repeat-slow", type=int, default=1, help="repeats of inf-cl at B >= 131072")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check")
     p.add_argument("--cpu-smoke", action="store_true", help="run on CPUs with gloo (tiny sizes; a smoke test)")
     p.add_argument("--check-batch", type=int, default=8192, help="global batch of the correctness check")
@@ -285,10 +285,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         uneven[-1] += b_chk - sum(uneven)
         for dt, be in ((torch.bfloat16, backend), (torch.float32, backend), (torch.bfloat16, TorchTiles())):
             c = _check(device, rank, world, dt, be, uneven, args.dim)
+            tol = 5e-3 if dt == torch.float32 else 3e-2  # TF32 dots / bf16 operands, vs float64
+            c["tolerance"] = tol
+            c["ok"] = all(c[key] <= tol for key in c if key.endswith("_rel_err"))
             checks.append(c)
             _log(f"check {c}")
         payload["checks"] = checks
 
+    gpu = torch.cuda.get_device_name(0).split()[-1].lower() if device.type == "cuda" else "cpu"
+    out_path = args.out or os.path.join("benchmarks", "results", f"ring_{gpu}x{world}.json")
     rows: List[Dict[str, Any]] = []
     for b in args.batches:
         for peer in args.peers:
@@ -307,16 +312,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                     merged["extra_gib"] = max(mems) if mems else None
                 merged["per_rank"] = [{k: x.get(k) for k in ("status", "median_ms", "times_ms", "extra_gib", "extra_gib_raw")} for x in per_rank]
             rows.append(merged)
+            if rank == 0:  # partial results survive a time-out
+                write_json(out_path + ".partial", {**payload, "rows": rows})
             _log(f"B={b} {peer}: {merged.get('status')} {merged.get('median_ms')} ms, extra {merged.get('extra_gib')} GiB "
                  f"({time.time() - t0:.1f} s)")
             torch.cuda.empty_cache()
     payload["rows"] = rows
     payload["summary"] = _summary(rows, world, min(rates))
     if rank == 0:
-        gpu = torch.cuda.get_device_name(0).split()[-1].lower() if device.type == "cuda" else "cpu"
-        path = args.out or os.path.join("benchmarks", "results", f"ring_{gpu}x{world}.json")
-        write_json(path, payload)
-        _log(f"wrote {path}")
+        write_json(out_path, payload)
+        if os.path.exists(out_path + ".partial"):
+            os.remove(out_path + ".partial")
+        _log(f"wrote {out_path}")
         for b, s in payload["summary"].items():
             print(b, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.items()}, flush=True)
     dist.barrier()
