@@ -51,10 +51,14 @@ def _naive(q, k, s):
     return 0.5 * (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels))
 
 
+_INFCL_ERROR: List[str] = []
+
+
 def _infcl_available() -> bool:
     try:
         import inf_cl  # noqa: F401
-    except Exception:
+    except Exception as exc:  # recorded in the skip reason
+        _INFCL_ERROR[:] = [f"{type(exc).__name__}: {exc}"[:200]]
         return False
     return True
 
@@ -106,7 +110,7 @@ def run_case(impl: str, b: int, d: int, dname: str, args, rate_bf16: float) -> D
     row: Dict[str, Any] = {"impl": impl, "B": b, "D": d, "dtype": dname, "flops": flops(b, d)}
     if impl == "infcl":
         if not _infcl_available():
-            return {**row, "status": "skipped: inf_cl not importable"}
+            return {**row, "status": f"skipped: inf_cl not importable ({_INFCL_ERROR[0] if _INFCL_ERROR else '?'})"}
         if dtype != torch.float32:
             return {**row, "status": "skipped: inf-cl takes fp32 inputs only"}
     est = flops(b, d) / (_EST_TFLOPS.get((impl, dname), 50) * 1e12)
