@@ -4,8 +4,8 @@ Pass 1 (``encode``): every chunk runs without a graph; its random state is captu
 Chunks flagged ``keep`` (a suffix of the pass, chosen to fit the memory budget) run *with* a
 graph that is kept, so pass 2 only back-propagates them: it saves their second forward.
 
-Pass 2 (``backprop``): for each model (in order of first use), kept chunks are back-propagated
-first, then every other chunk is re-run under its replayed random state and autocast setting and
+Pass 2 (``backprop``): kept chunks are back-propagated first (freeing their graphs), then, model
+by model (in order of first use), every other chunk is re-run under its replayed random state and autocast setting and
 back-propagated with its slice of the cached representation gradient. Parameter gradients
 accumulate in ``.grad``; the sum over chunks is exactly the full-batch gradient because the loss
 gradient w.r.t. each representation row was computed on the whole batch.
@@ -126,28 +126,27 @@ def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: Eng
             g = g[offsets[u.input_index] : offsets[u.input_index] + u.rows]
             slices[k] = g.to("cpu") if opts.offload_reps else g
         offsets[u.input_index] += u.rows
+    # Every kept graph is back-propagated (and freed) before any chunk is re-run, so kept
+    # activations never coexist with a re-run chunk's forward + backward.
+    for k, u in enumerate(units):
+        if not u.keep:
+            continue
+        rep, u.kept_rep = u.kept_rep, None
+        if k in slices:
+            with sync_context(u.model, sync=False)():
+                torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype))
+        del rep
     order: Dict[int, List[int]] = {}
     for k, u in enumerate(units):
-        order.setdefault(id(u.model), []).append(k)
-    for ks in order.values():
-        kept = [k for k in ks if units[k].keep]
-        rerun = [k for k in ks if not units[k].keep and k in slices]
-        for k in kept:
-            u = units[k]
-            rep, u.kept_rep = u.kept_rep, None
-            if k in slices:
-                with sync_context(u.model, sync=False)():
-                    torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype))
-            del rep
-        if not rerun:
-            continue
+        if not u.keep and k in slices:
+            order.setdefault(id(u.model), []).append(k)
+    for rerun in order.values():
         model = units[rerun[0]].model
         device = model_device(model)
         amp = _autocast(device, opts.autocast_dtype)
         for n, (k, chunk) in enumerate(zip(rerun, staged([units[k].chunk for k in rerun], device, opts.offload_inputs))):
             u = units[k]
-            last = n == len(rerun) - 1
-            sync = last or opts.ddp_sync == "every_chunk"
+            sync = n == len(rerun) - 1 or opts.ddp_sync == "every_chunk"
             with sync_context(u.model, sync=sync)():
                 with torch.enable_grad(), u.rng.replay(), amp():
                     rep = _rep(opts, u.model, chunk, u.rows)
