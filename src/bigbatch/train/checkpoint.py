@@ -1,0 +1,117 @@
+"""Atomic checkpoints: weights in safetensors, optimiser + RNG + data position in torch files.
+
+Layout under ``<out>/checkpoints/``::
+
+    step-00000012/model.safetensors   every parameter and buffer of the DualEncoder
+    step-00000012/state.pt            optimiser state, step, config (rank 0)
+    step-00000012/rng-rank{r}.pt      torch / CUDA / Python RNG states of rank r
+    latest                            the name of the newest complete checkpoint
+
+A checkpoint is written to a temporary directory and renamed into place (``os.replace``,
+atomic on POSIX), then ``latest`` is replaced atomically; a crash at any point leaves the
+previous checkpoint usable. The newest ``keep`` checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+from torch import nn
+
+LATEST = "latest"
+
+
+def rng_state() -> Dict[str, Any]:
+    """Every RNG a training step may draw from (torch CPU, each CUDA device, Python)."""
+    state: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def save_checkpoint(
+    out: Path, step: int, model: nn.Module, state: Dict[str, Any], rng: Dict[str, Any], *, rank: int = 0,
+    world_size: int = 1, barrier=None, keep: int = 2,
+) -> Path:
+    """Write checkpoint ``step`` atomically (all ranks call this; rank 0 writes the shared files).
+
+    ``barrier`` (a callable) synchronises ranks in distributed runs so every rank's RNG file is
+    in the temporary directory before rank 0 renames it.
+    """
+    from safetensors.torch import save_model
+
+    root = Path(out) / "checkpoints"
+    name = f"step-{step:08d}"
+    tmp = root / f".tmp-{name}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if barrier is not None:
+        barrier()
+    torch.save(rng, tmp / f"rng-rank{rank}.pt")
+    if rank == 0:
+        save_model(model, str(tmp / "model.safetensors"))
+        torch.save(dict(state, world_size=world_size), tmp / "state.pt")
+    if barrier is not None:
+        barrier()
+    final = root / name
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_text_atomic(root / LATEST, name)
+        done = sorted(p for p in root.glob("step-*") if p.is_dir())
+        for old in done[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    if barrier is not None:
+        barrier()
+    return final
+
+
+def latest_checkpoint(out: Path) -> Optional[Path]:
+    """The newest complete checkpoint directory, or None."""
+    root = Path(out) / "checkpoints"
+    marker = root / LATEST
+    if not marker.is_file():
+        return None
+    path = root / marker.read_text(encoding="utf-8").strip()
+    return path if (path / "model.safetensors").is_file() and (path / "state.pt").is_file() else None
+
+
+def _load(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except TypeError:  # pragma: no cover - torch without weights_only
+        return torch.load(path, map_location="cpu")
+
+
+def load_checkpoint(path: Path, model: nn.Module, *, rank: int = 0, device: Optional[torch.device] = None):
+    """Load weights into ``model``; return ``(state, rng)`` (rng of this rank)."""
+    from safetensors.torch import load_model
+
+    load_model(model, str(path / "model.safetensors"), device=str(device or "cpu"))
+    state = _load(path / "state.pt")
+    rng_file = path / f"rng-rank{rank}.pt"
+    if not rng_file.is_file():
+        raise ValueError(f"checkpoint {path} has no RNG state for rank {rank} (saved with world size "
+                         f"{state.get('world_size')}); resume with the same number of processes")
+    return state, _load(rng_file)
