@@ -106,6 +106,33 @@ def test_lse_grad(dtype, which):
     assert_rel(dk32, ref_dk, 1e-5, "dk fp32")
 
 
+@pytest.mark.parametrize(
+    "tune", [{}, {"one_exp": 0}, {"flat": 1}, {"flat": 1, "one_exp": 0}, {"kmajor": 1}], ids=str
+)
+@pytest.mark.parametrize("spread", [False, True], ids=["close", "spread"])
+def test_kernel_variants(tune, spread):
+    """Every kernel variant, on data whose tiles take the one-exp fast path (close) and on data
+    whose column maxima sit far below the tile max (spread: the exact two-exp fallback)."""
+    b, n, d = 37, 45, 19
+    q, k = _data(b, n, d, torch.float32, seed=21)
+    if spread:
+        q, k = q.abs(), k.clone()
+        k[::3] = -30 * k[::3].abs()  # every third key: all its logits far below the rest
+    s = torch.tensor(6.0, device=DEVICE)
+    be = TritonTiles(precision="ieee", block_m=16, block_n=16, block_d=16, super_tile=(24, 40), tune=tune)
+    lr, lc = be.lse(q, k, s, rows=True, cols=True)
+    _, ref_r, ref_c = _ref_stats(q, k, 6.0)
+    assert_rel(lr, ref_r, 1e-6, "lse_row")
+    assert_rel(lc, ref_c, 1e-6, "lse_col")
+    g = torch.Generator().manual_seed(2)
+    g_row, g_col = torch.rand(b, generator=g).to(DEVICE), torch.rand(n, generator=g).to(DEVICE)
+    dq, dk, d_s = be.lse_grad(q, k, s, lr, lc, g_row, g_col)
+    ref_dq, ref_dk, ref_ds = _ref_grad(q, k, 6.0, g_row, g_col)
+    assert_rel(dq, ref_dq, 1e-4 if spread else 1e-5, "dq")
+    assert_rel(dk, ref_dk, 1e-4 if spread else 1e-5, "dk")
+    assert_rel(d_s, ref_ds, 1e-4 if spread else 1e-5, "d_scale")
+
+
 def test_lse_grad_no_direction_is_zero():
     q, k = _data(9, 11, 5, torch.float32)
     s = torch.tensor(1.0, device=DEVICE)
@@ -304,6 +331,33 @@ def test_gpu_infonce_labels_and_nan():
     bad = q.detach().clone()
     bad[123, 7] = float("nan")
     assert torch.isnan(bigbatch.clip_loss(bad, k.detach()[:b], 20.0, backend="triton"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dtype,tune",
+    [
+        (torch.bfloat16, {"flat": 1}),
+        (torch.bfloat16, {"one_exp": 0}),
+        (torch.float32, {"flat": 1}),
+        (torch.float32, {"one_exp": 0}),
+        (torch.float32, {"kmajor": 0}),
+    ],
+    ids=str,
+)
+def test_gpu_variants(dtype, tune):
+    b, d = 3001, 512
+    q = features(b, d, dtype=dtype, device="cuda", seed=7)
+    k = features(b, d, dtype=dtype, device="cuda", seed=8)
+    loss = bigbatch.clip_loss(q, k, 1 / 0.07, backend=TritonTiles(tune=tune, super_tile=(1024, 2048)))
+    loss.backward()
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    ref = reference.clip_loss(q64, k64, 1 / 0.07)
+    ref.backward()
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    assert_rel(loss, ref, tol, "loss")
+    assert_rel(q.grad, q64.grad, tol, "d image")
+    assert_rel(k.grad, k64.grad, tol, "d text")
 
 
 @pytest.mark.gpu

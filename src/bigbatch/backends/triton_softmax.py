@@ -7,7 +7,7 @@ protocol on CUDA GPUs (and on the CPU under ``TRITON_INTERPRET=1``, for tests).
   recomputes the tile and writes dS into a bounded workspace, two matmul kernels accumulate
   ``dS @ k`` and ``dS.T @ q`` in fp32; ``6*B*N*D`` FLOPs. Memory: the fp32 ``dq``
   accumulator (B x D), one fp32 ``dk`` accumulator per key super-block (TN x D), the dS
-  workspace (32 MiB bf16 / 64 MiB fp32) and the outputs.
+  workspace (32 MiB: 4096 x 4096 bf16, or 4096 x 2048 fp32 plus its transpose) and the outputs.
 
 Precision: bf16/fp16 operands on tensor cores with fp32 accumulation (the dS workspace is
 bf16 for both: its exponent range keeps tiny probabilities times tiny upstream gradients);
@@ -42,27 +42,47 @@ _LN2 = math.log(2.0)
 class _Config:
     """Block shapes and launch settings for one (dtype, device) pair."""
 
+    # forward (one-pass LSE) tiles
     block_m: int
     block_n: int
     block_d: int
     warps: int
     stages: int
+    # backward dS tiles
+    ds_block_m: int
+    ds_block_n: int
+    ds_block_d: int
+    ds_warps: int
+    ds_stages: int
+    # backward products dS @ k, dS.T @ q
     mm_block_m: int
     mm_block_n: int
     mm_block_k: int
     mm_warps: int
     mm_stages: int
-    super_rows: int
+    super_rows: int  # dS workspace shape
     super_cols: int
     programs: int  # forward grid size to aim for
+    one_exp: int = 1  # one exp2 per logit for both directions (see the kernels)
+    flat: int = 0  # forward: one flattened (tile, D chunk) loop
+    kmajor: int = 0  # backward products read K-major operands (dS.T copy, transposed q/k chunks)
 
 
 def _gpu_config(dtype: torch.dtype, device: torch.device) -> _Config:
+    """Defaults from the block-shape sweep on an H200 (``python -m bigbatch.bench.clip --tune``)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    half = dtype != torch.float32
+    if dtype == torch.float32:
+        # TF32 tensor-core products need both operands K-major on Hopper: kmajor.
+        return _Config(
+            block_m=128, block_n=128, block_d=32, warps=4, stages=3,
+            ds_block_m=128, ds_block_n=128, ds_block_d=32, ds_warps=4, ds_stages=3,
+            mm_block_m=128, mm_block_n=128, mm_block_k=32, mm_warps=8, mm_stages=3,
+            super_rows=4096, super_cols=2048, programs=2 * sms, kmajor=1,
+        )
     return _Config(
-        block_m=128, block_n=128, block_d=64 if half else 32, warps=8, stages=3,
-        mm_block_m=128, mm_block_n=128, mm_block_k=64 if half else 32, mm_warps=8, mm_stages=4 if half else 3,
+        block_m=128, block_n=128, block_d=64, warps=4, stages=3,
+        ds_block_m=128, ds_block_n=256, ds_block_d=64, ds_warps=8, ds_stages=3,
+        mm_block_m=128, mm_block_n=64, mm_block_k=64, mm_warps=4, mm_stages=4,
         super_rows=4096, super_cols=4096, programs=2 * sms,
     )
 
@@ -71,6 +91,7 @@ def _interpreter_config() -> _Config:
     # Small blocks: the interpreter runs programs one by one in numpy.
     return _Config(
         block_m=32, block_n=32, block_d=16, warps=4, stages=1,
+        ds_block_m=32, ds_block_n=32, ds_block_d=16, ds_warps=4, ds_stages=1,
         mm_block_m=32, mm_block_n=32, mm_block_k=32, mm_warps=4, mm_stages=1,
         super_rows=64, super_cols=48, programs=4,
     )
@@ -129,12 +150,10 @@ class TritonTiles:
     def _config(self, dtype: torch.dtype, device: torch.device) -> _Config:
         base = _gpu_config(dtype, device) if device.type == "cuda" else _interpreter_config()
         over = dict(self.tune or {})
-        if self.block_m:
-            over["block_m"] = self.block_m
-        if self.block_n:
-            over["block_n"] = self.block_n
-        if self.block_d:
-            over["block_d"] = self.block_d
+        for arg in ("block_m", "block_n", "block_d"):
+            if getattr(self, arg):
+                over.setdefault(arg, getattr(self, arg))
+                over.setdefault("ds_" + arg, getattr(self, arg))
         if self.super_tile:
             over["super_rows"], over["super_cols"] = self.super_tile
         return _Config(**{**base.__dict__, **over})
@@ -191,7 +210,7 @@ class TritonTiles:
             rpg, cpg,
             ROWS=rows, COLS=cols,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
-            DOT_DTYPE=dot_dtype, PRECISION=precision,
+            DOT_DTYPE=dot_dtype, PRECISION=precision, ONE_EXP=bool(cfg.one_exp), FLAT=bool(cfg.flat),
             num_warps=cfg.warps, num_stages=cfg.stages,
         )
         lse_row = torch.logsumexp(row_part.mul_(_LN2), dim=0).to(ct) if rows else None
@@ -226,7 +245,11 @@ class TritonTiles:
         mm_dtype = tl.float32 if ws_dtype == torch.float32 else tl.bfloat16
         mm_precision = precision if q.dtype == torch.float32 else ("ieee" if q.device.type != "cuda" else "tf32")
         tm, tn = min(cfg.super_rows, b), min(cfg.super_cols, n)
+        kmajor = bool(cfg.kmajor)
         ws = torch.empty((tm, tn), dtype=ws_dtype, device=q.device)
+        # kmajor: dS.T is written too, and the right operands are read from transposed copies of
+        # the current q/k chunks (O(super-tile * D) each), so both products read K-major operands.
+        ws_t = torch.empty((tn, tm), dtype=ws_dtype, device=q.device) if kmajor else ws
         dk_acc = torch.empty((tn, d), dtype=torch.float32, device=q.device)
 
         def matmul_acc(a: Tensor, bm: Tensor, c: Tensor) -> None:
@@ -245,24 +268,28 @@ class TritonTiles:
         for j0 in range(0, n, tn):
             nj = min(tn, n - j0)
             kj = k[j0 : j0 + nj]
+            kj_b = kj.t().contiguous().t() if kmajor else kj  # (nj, D) view, K (=nj) contiguous
             acc_j = dk_acc[:nj].zero_()
             for i0 in range(0, b, tm):
                 ni = min(tm, b - i0)
                 qi = q[i0 : i0 + ni]
                 ws_ij = ws[:ni, :nj]
-                grid = (triton.cdiv(ni, cfg.block_m), triton.cdiv(nj, cfg.block_n))
+                ws_t_ij = ws_t[:nj, :ni] if kmajor else ws_ij.t()
+                grid = (triton.cdiv(ni, cfg.ds_block_m), triton.cdiv(nj, cfg.ds_block_n))
                 dlogits_kernel[grid](
                     qi, kj, scale,
                     lse_row[i0:] if use_rows else scale, lse_col[j0:] if use_cols else scale,
                     g_row[i0:] if use_rows else scale, g_col[j0:] if use_cols else scale,
-                    ws_ij, ni, nj, d, qi.stride(0), kj.stride(0), ws_ij.stride(0),
+                    ws_ij, ws_t_ij, ni, nj, d, qi.stride(0), kj.stride(0), ws_ij.stride(0),
+                    ws_t_ij.stride(0) if kmajor else 0,
                     HAS_ROW=use_rows, HAS_COL=use_cols,
-                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
-                    DOT_DTYPE=dot_dtype, PRECISION=precision,
-                    num_warps=cfg.warps, num_stages=cfg.stages,
+                    BLOCK_M=cfg.ds_block_m, BLOCK_N=cfg.ds_block_n, BLOCK_D=cfg.ds_block_d,
+                    DOT_DTYPE=dot_dtype, PRECISION=precision, ONE_EXP=bool(cfg.one_exp), WRITE_T=kmajor,
+                    num_warps=cfg.ds_warps, num_stages=cfg.ds_stages,
                 )
-                matmul_acc(ws_ij, kj, dq_acc[i0 : i0 + ni])  # dq_i += dS @ k_j
-                matmul_acc(ws_ij.t(), qi, acc_j)  # dk_j += dS.T @ q_i
+                qi_b = qi.t().contiguous().t() if kmajor else qi
+                matmul_acc(ws_ij, kj_b, dq_acc[i0 : i0 + ni])  # dq_i += dS @ k_j
+                matmul_acc(ws_t_ij, qi_b, acc_j)  # dk_j += dS.T @ q_i
             # d_scale = sum_ij dS_ij (q_i . k_j) = sum_j k_j . (dS.T @ q)_j: O(nj*D), no tile pass.
             d_scale += torch.dot(kj.reshape(-1).to(torch.float32), acc_j.reshape(-1))
             dk[j0 : j0 + nj] = acc_j.mul_(scale).to(grad_dtype)

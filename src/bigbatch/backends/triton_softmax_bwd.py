@@ -24,14 +24,16 @@ from .triton_softmax_fwd import LOG2E, _tile_logits2
 
 @triton.jit
 def dlogits_kernel(
-    q_ptr, k_ptr, scale_ptr, lse_row_ptr, lse_col_ptr, g_row_ptr, g_col_ptr, ds_ptr,
-    TM, TN, D, stride_q, stride_k, stride_ds,
+    q_ptr, k_ptr, scale_ptr, lse_row_ptr, lse_col_ptr, g_row_ptr, g_col_ptr, ds_ptr, dst_ptr,
+    TM, TN, D, stride_q, stride_k, stride_ds, stride_dst,
     HAS_ROW: tl.constexpr, HAS_COL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    ONE_EXP: tl.constexpr, WRITE_T: tl.constexpr,
 ):
-    """``ds[r, c]`` for the ``TM x TN`` super-tile whose q, k, lse and g pointers are offset to
-    its first row / column. Entries outside ``TM x TN`` are not written."""
+    """``ds[r, c]`` (and, with ``WRITE_T``, ``dst[c, r]``) for the ``TM x TN`` super-tile whose q, k,
+    lse and g pointers are offset to its first row / column. Entries outside ``TM x TN`` are not
+    written."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -43,17 +45,41 @@ def dlogits_kernel(
         q_ptr, k_ptr, rows, cols, rmask, cmask, D, stride_q, stride_k, scale2,
         BLOCK_M, BLOCK_N, BLOCK_D, DOT_DTYPE, PRECISION,
     )
-    ds = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if HAS_ROW:
         lse_r = tl.load(lse_row_ptr + rows, mask=rmask, other=0.0) * LOG2E
         g_r = tl.load(g_row_ptr + rows, mask=rmask, other=0.0)
-        ds += tl.exp2(s2 - lse_r[:, None]) * g_r[:, None]
     if HAS_COL:
         lse_c = tl.load(lse_col_ptr + cols, mask=cmask, other=0.0) * LOG2E
         g_c = tl.load(g_col_ptr + cols, mask=cmask, other=0.0)
-        ds += tl.exp2(s2 - lse_c[None, :]) * g_c[None, :]
-    out = ds_ptr + rows.to(tl.int64)[:, None] * stride_ds + cols[None, :]
-    tl.store(out, ds.to(ds_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    if HAS_ROW and HAS_COL:
+        p = tl.exp2(s2 - lse_r[:, None])
+        if ONE_EXP:
+            # exp2(s - C_j) = p_ij * exp2(L_i - C_j), an outer product: one exp2 per logit. Exact
+            # while |L_i - C_j| <= 64 over the tile (a p lost to underflow then stands for a
+            # column-softmax term < 2^-62); otherwise the tile takes the two-exp path.
+            l_hi = tl.max(tl.where(rmask, lse_r, float("-inf")), axis=0)
+            l_lo = tl.min(tl.where(rmask, lse_r, float("inf")), axis=0)
+            c_hi = tl.max(tl.where(cmask, lse_c, float("-inf")), axis=0)
+            c_lo = tl.min(tl.where(cmask, lse_c, float("inf")), axis=0)
+            if (l_hi - c_lo <= 64.0) & (c_hi - l_lo <= 64.0):
+                u = tl.where(rmask, tl.exp2(lse_r - l_hi), 0.0)
+                v = tl.where(cmask, tl.exp2(l_hi - lse_c), 0.0) * g_c
+                ds = p * (g_r[:, None] + u[:, None] * v[None, :])
+            else:
+                ds = p * g_r[:, None] + tl.exp2(s2 - lse_c[None, :]) * g_c[None, :]
+        else:
+            ds = p * g_r[:, None] + tl.exp2(s2 - lse_c[None, :]) * g_c[None, :]
+    elif HAS_ROW:
+        ds = tl.exp2(s2 - lse_r[:, None]) * g_r[:, None]
+    else:
+        ds = tl.exp2(s2 - lse_c[None, :]) * g_c[None, :]
+    mask = rmask[:, None] & cmask[None, :]
+    out = ds.to(ds_ptr.dtype.element_ty)
+    tl.store(ds_ptr + rows.to(tl.int64)[:, None] * stride_ds + cols[None, :], out, mask=mask)
+    if WRITE_T:
+        # A row-major copy of dS.T: the dk product then reads both operands K-major (fp32/TF32
+        # tensor-core products need that on Hopper).
+        tl.store(dst_ptr + cols.to(tl.int64)[None, :] * stride_dst + rows[:, None], out, mask=mask)
 
 
 @triton.jit
