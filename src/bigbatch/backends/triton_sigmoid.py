@@ -160,13 +160,15 @@ class TritonSigmoid:
 
     ``tile_rows``/``tile_cols``: the G workspace tile (``None``: automatic, 512 MiB on a GPU).
     ``fp32_precision``: ``"ieee"`` (exact fp32 products) or ``"tf32"`` for float32 features.
-    ``block``: kernel config ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` or ``None``.
+    ``block``: kernel config ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, maxnreg])`` or
+    ``None`` (``maxnreg`` caps registers per thread so that two programs share an SM and one's
+    epilogue overlaps the other's matrix products; 0 = no cap).
     """
 
     tile_rows: Optional[int] = None
     tile_cols: Optional[int] = None
     fp32_precision: str = "ieee"
-    block: Optional[Tuple[int, int, int, int, int]] = None
+    block: Optional[Tuple[int, ...]] = None
     name: str = "triton"
 
     def __post_init__(self) -> None:
@@ -176,20 +178,22 @@ class TritonSigmoid:
                 raise ValueError(f"TritonSigmoid: {arg} must be a positive int or None, got {value!r}")
         if self.fp32_precision not in _PRECISIONS:
             raise ValueError(f"TritonSigmoid: fp32_precision must be one of {_PRECISIONS}, got {self.fp32_precision!r}")
-        if self.block is not None and (len(self.block) != 5 or min(self.block[:3]) < 16):
-            raise ValueError(f"TritonSigmoid: block must be (BLOCK_M, BLOCK_N, BLOCK_K>=16, warps, stages), got {self.block!r}")
+        if self.block is not None and (len(self.block) not in (5, 6) or min(self.block[:3]) < 16):
+            raise ValueError(
+                f"TritonSigmoid: block must be (BLOCK_M, BLOCK_N, BLOCK_K>=16, warps, stages[, maxnreg]), got {self.block!r}"
+            )
 
     def supports(self, device: torch.device) -> bool:
         return device.type == "cuda" or (device.type == "cpu" and triton_interpreted())
 
-    def _config(self, dtype: torch.dtype, device: torch.device) -> Tuple[int, int, int, int, int]:
+    def _config(self, dtype: torch.dtype, device: torch.device) -> Tuple[int, int, int, int, int, int]:
         if self.block is not None:
-            return self.block
+            return tuple(self.block) + (0,) * (6 - len(self.block))
         if device.type != "cuda":
-            return (32, 32, 32, 4, 1)  # interpreter: several programs and tails even on tiny inputs
+            return (32, 32, 32, 4, 1, 0)  # interpreter: several programs and tails even on tiny inputs
         if dtype == torch.float32:
-            return (128, 128, 32, 8, 3)
-        return (128, 128, 64, 8, 3)
+            return (128, 128, 32, 8, 3, 0)
+        return (128, 128, 64, 8, 3, 0)
 
     def _tiles(self, m: int, n: int, itemsize: int, device: torch.device) -> Tuple[int, int]:
         budget = _AUTO_TILE_BYTES.get(device.type, 1 << 26) // itemsize
@@ -226,7 +230,10 @@ class TritonSigmoid:
         if q_ids is not None:
             q_ids, k_ids = q_ids.contiguous(), k_ids.contiguous()
         write_g = dq_acc is not None or dk_acc is not None
-        bm, bn, bk, warps, stages = self._config(q.dtype, q.device)
+        bm, bn, bk, warps, stages, maxnreg = self._config(q.dtype, q.device)
+        launch_opts = {"num_warps": warps, "num_stages": stages}
+        if maxnreg:
+            launch_opts["maxnreg"] = maxnreg
         tr, tc = self._tiles(m, n, q.element_size(), q.device)
         work = torch.empty(tr * tc if write_g else 1, dtype=q.dtype, device=q.device)
         max_programs = triton.cdiv(min(tr, m), bm) * triton.cdiv(min(tc, n), bn)
@@ -255,7 +262,7 @@ class TritonSigmoid:
                     q.stride(0), k.stride(0), tn,
                     HAS_IDS=q_ids is not None, WRITE_G=write_g, EVEN_K=d % bk == 0, PRECISION=precision,
                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                    num_warps=warps, num_stages=stages,
+                    **launch_opts,
                 )
                 sums = parts[:, : grid[0]].sum(dim=1, dtype=ct)
                 loss += sums[0]
