@@ -1,6 +1,7 @@
 """GradCache under a real 2-process gloo DDP group, and FSDP refused with a reason.
 
-Each rank holds half of the global batch; the loss gathers the representations of all ranks
+Each rank holds half of the global batch; the loss is either bigbatch's ring
+(``clip_loss(..., group=...)``) or gathers the representations of all ranks
 (``torch.distributed.nn.functional.all_gather`` keeps the gradient path; its backward sums the
 ranks' identical losses' gradients, i.e. world x, which DDP's averaging divides back) and computes
 the contrastive loss over the global batch.
@@ -39,29 +40,33 @@ def _worker(rank: int, world: int):
     import bigbatch
     from bigbatch.gradcache import GradCache
 
-    model = DDP(_encoder(), bucket_cap_mb=1000)  # one bucket: one all-reduce per synced backward
-    calls = [0]
-
-    def counting_hook(state, bucket):
-        calls[0] += 1
-        fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
-        return fut.then(lambda f: f.value()[0] / world)
-
-    model.register_comm_hook(None, counting_hook)
-
-    def loss_fn(q, p):
-        return bigbatch.clip_loss(torch.cat(all_gather(q)), torch.cat(all_gather(p)), 4.0)
-
     x, y = _data(world)
     xs, ys = x[rank * B_LOCAL:(rank + 1) * B_LOCAL], y[rank * B_LOCAL:(rank + 1) * B_LOCAL]
-    gc = GradCache([model], chunk_sizes=CHUNK, loss_fn=loss_fn)
-    counts = []
-    for step in range(2):  # two steps: gradients accumulate, one all-reduce each
-        torch.manual_seed(100 * step + rank)
-        calls[0] = 0
-        gc(xs, ys)
-        counts.append(calls[0])
-    grads = [p.grad.clone() for p in model.module.parameters()]
+    losses = {
+        # gather-with-grad: all_gather's backward sums the ranks' (identical) loss gradients
+        "gather": lambda q, p: bigbatch.clip_loss(torch.cat(all_gather(q)), torch.cat(all_gather(p)), 4.0),
+        # bigbatch's ring over the process group: the full multi-level system
+        "ring": lambda q, p: bigbatch.clip_loss(q, p, 4.0, group=dist.group.WORLD),
+    }
+    out = {}
+    for name, loss_fn in losses.items():
+        model = DDP(_encoder(), bucket_cap_mb=1000)  # one bucket: one all-reduce per synced backward
+        calls = [0]
+
+        def counting_hook(state, bucket, calls=calls):
+            calls[0] += 1
+            fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+            return fut.then(lambda f: f.value()[0] / world)
+
+        model.register_comm_hook(None, counting_hook)
+        gc = GradCache([model], chunk_sizes=CHUNK, loss_fn=loss_fn)
+        counts = []
+        for step in range(2):  # two steps: gradients accumulate, one all-reduce each
+            torch.manual_seed(100 * step + rank)
+            calls[0] = 0
+            gc(xs, ys)
+            counts.append(calls[0])
+        out[name] = (counts, [p.grad.clone() for p in model.module.parameters()])
 
     fsdp_error = None
     try:
@@ -71,12 +76,12 @@ def _worker(rank: int, world: int):
         sharded = _encoder()
         fully_shard(sharded, mesh=init_device_mesh("cpu", (world,)))
         try:
-            GradCache(sharded, chunk_sizes=CHUNK, loss_fn=loss_fn)
+            GradCache(sharded, chunk_sizes=CHUNK, loss_fn=losses["gather"])
         except NotImplementedError as exc:
             fsdp_error = str(exc)
     except (ImportError, RuntimeError, ValueError) as exc:  # FSDP2 unavailable on this build/device
         fsdp_error = f"unavailable: {exc}"
-    return counts, grads, fsdp_error
+    return out, fsdp_error
 
 
 def _single_process_reference(world: int):
@@ -100,12 +105,12 @@ def test_ddp_two_ranks_equals_full_batch_one_allreduce_per_step():
     world = 2
     results = run_gloo(_worker, world)
     ref = _single_process_reference(world)
-    for rank, (counts, grads, fsdp_error) in enumerate(results):
-        assert counts == [1, 1], f"rank {rank}: all-reduces per cached step {counts}, expected one"
-        for i, (g, r) in enumerate(zip(grads, ref)):
-            err = ((g - r).norm() / r.norm()).item()
-            assert err <= 1e-10, f"rank {rank} parameter {i}: relative error {err:.3e}"
-        if fsdp_error is not None and not fsdp_error.startswith("unavailable"):
-            assert "FSDP" in fsdp_error and "DistributedDataParallel" in fsdp_error
-        else:
+    for rank, (out, fsdp_error) in enumerate(results):
+        for name, (counts, grads) in out.items():
+            assert counts == [1, 1], f"rank {rank}, {name} loss: all-reduces per cached step {counts}, expected one"
+            for i, (g, r) in enumerate(zip(grads, ref)):
+                err = ((g - r).norm() / r.norm()).item()
+                assert err <= 1e-10, f"rank {rank}, {name} loss, parameter {i}: relative error {err:.3e}"
+        if fsdp_error is None or fsdp_error.startswith("unavailable"):
             pytest.fail(f"could not build an FSDP model to check the refusal: {fsdp_error}")
+        assert "FSDP" in fsdp_error and "DistributedDataParallel" in fsdp_error
