@@ -25,7 +25,10 @@ def _bench_names() -> List[str]:
 def _memory(text: str) -> str:
     from bigbatch.gradcache.budget import parse_memory
 
-    parse_memory(text, "--memory-budget")  # validate early, keep the text for GradCache
+    try:
+        parse_memory(text, "--memory-budget")  # validate early, keep the text for GradCache
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 

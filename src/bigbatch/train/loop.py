@@ -32,7 +32,7 @@ from torch import Tensor
 from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .data import DataError, Pair, Splits, builtin_codesearch, default_cache_dir, jsonl_splits
 from .metrics import MetricsLog, encode_all, format_metrics, retrieval_metrics, summary_table
-from .model import DualEncoder, Inputs, build_model, select
+from .model import DualEncoder, Inputs, build_model, resolve_model_path, select
 
 LOSSES = ("clip", "infonce", "siglip")
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -127,7 +127,8 @@ class Dist:
 
 
 def setup_distributed(device_arg: str) -> tuple:
-    """``(Dist, device)``: joins the torchrun process group when ``WORLD_SIZE`` > 1."""
+    """``(Dist, device)``: the caller's process group if one is initialised, else joins the
+    torchrun group when ``WORLD_SIZE`` > 1, else a single process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device_arg == "auto":
@@ -140,10 +141,12 @@ def setup_distributed(device_arg: str) -> tuple:
             device = torch.device(f"cuda:{local}")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world <= 1:
-        return Dist(), device
     if not dist.is_initialized():
+        if world <= 1:
+            return Dist(), device
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if dist.get_world_size() == 1:
+        return Dist(), device
     return Dist(rank=dist.get_rank(), world=dist.get_world_size(), group=dist.group.WORLD), device
 
 
@@ -375,6 +378,7 @@ def train(
         raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes ({d.world})")
     say = log if d.rank == 0 else (lambda s: None)
 
+    resolve_model_path(cfg.model)  # a bad --model fails before any work
     t_data = time.perf_counter()
     splits = load_splits(cfg)  # DataError here leaves `out` untouched
     say(f"data: {splits.source}; {len(splits.train)} training / {len(splits.heldout)} held-out pairs "

@@ -1,0 +1,186 @@
+"""bigbatch train end to end on tiny synthetic data: learning, outputs, exact resume, errors that keep results."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from bigbatch.cli import main
+from bigbatch.train.data import DataError
+from bigbatch.train.loop import RunError, TrainConfig, train
+
+# A task the untrained model cannot solve lexically: query words "wN" and document words "cN"
+# hash to unrelated ids, so only training can connect them (held-out pairs reuse the vocabulary).
+TINY = ["--buckets", "4096", "--dim", "32", "--max-length", "16", "--no-progress"]
+
+
+def _synthetic(path: Path, n: int, seed: int, negatives: int = 0) -> Path:
+    rng = random.Random(seed)
+    with path.open("w", encoding="utf-8") as f:
+        for _ in range(n):
+            concepts = rng.sample(range(120), 4)
+            row = {"query": " ".join(f"w{c}" for c in concepts), "positive": " ".join(f"c{c}" for c in reversed(concepts))}
+            if negatives:
+                row["negatives"] = [" ".join(f"c{c}" for c in rng.sample(range(120), 4)) for _ in range(negatives)]
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+@pytest.fixture()
+def data(tmp_path):
+    return _synthetic(tmp_path / "train.jsonl", 256, 0, negatives=2), _synthetic(tmp_path / "eval.jsonl", 64, 1)
+
+
+def _run(*args) -> int:
+    return main(["train", *TINY, *map(str, args)])
+
+
+def test_tiny_end_to_end_learns_and_writes_outputs(tmp_path, data):
+    out = tmp_path / "run"
+    rc = _run("--data", data[0], "--eval-data", data[1], "--batch-size", 64, "--chunk-size", 16, "--epochs", 12,
+              "--lr", 0.02, "--save-every", 20, "--out", out)
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["finished"] and res["steps"] == 12 * 4
+    assert res["before"]["recall@1"] < 0.15  # chance is 1/64
+    assert res["after"]["recall@1"] > 0.5, res["after"]
+    assert res["after"]["mrr"] > res["before"]["mrr"] + 0.3
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 48 and losses[-1] < losses[0]
+    assert all({"examples_per_s", "memory_mb", "lr", "scale"} <= set(r) for r in records if "loss" in r)
+    assert [r["step"] for r in records if "eval" in r] == [0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48]
+    assert (out / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+    ckpts = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    assert ckpts == ["step-00000040", "step-00000048"]  # the newest two are kept
+    assert (out / "checkpoints" / "latest").read_text() == "step-00000048"
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+    from safetensors.torch import load_file
+
+    weights = load_file(str(out / "checkpoints" / "step-00000048" / "model.safetensors"))
+    assert "encoder.embed.weight" in weights and "logit_scale" in weights
+
+
+def _weights(out: Path):
+    from safetensors.torch import load_file
+
+    name = (out / "checkpoints" / "latest").read_text()
+    return load_file(str(out / "checkpoints" / name / "model.safetensors"))
+
+
+@pytest.mark.parametrize("loss", ["clip", "infonce"])
+def test_resume_continues_exactly(tmp_path, data, loss):
+    base = dict(data=str(data[0]), eval_data=str(data[1]), batch_size=64, chunk_size=16, steps=7, lr=0.02,
+                buckets=4096, dim=32, max_length=16, progress=False, save_every=2, eval_every=3, loss=loss,
+                hard_negatives=2 if loss == "infonce" else 0)
+    whole = train(TrainConfig(**base, out=str(tmp_path / "a")), log=lambda s: None)
+    part = train(TrainConfig(**base, out=str(tmp_path / "b")), stop_after=3, log=lambda s: None)
+    assert part["steps"] == 3 and not part["finished"]
+    # a different --device/--no-progress is allowed on resume; the trajectory options are the saved ones
+    resumed = train(TrainConfig(**base, out=str(tmp_path / "b")), resume=True, log=lambda s: None)
+    assert resumed["finished"] and resumed["after"] == whole["after"]
+    wa, wb = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    strip = lambda p: [{k: v for k, v in r.items() if k not in ("examples_per_s", "memory_mb", "step_s")}  # noqa: E731
+                       for r in map(json.loads, p.read_text().splitlines())]
+    assert strip(tmp_path / "a" / "metrics.jsonl") == strip(tmp_path / "b" / "metrics.jsonl")
+
+
+def _snapshot(out: Path):
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_bad_data_leaves_earlier_results_intact(tmp_path, data, capsys):
+    out = tmp_path / "run"
+    assert _run("--data", data[0], "--eval-data", data[1], "--batch-size", 64, "--chunk-size", 32, "--steps", 2,
+                "--out", out) == 0
+    before = _snapshot(out)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(data[0].read_text().splitlines()[0] + "\n" + '{"query": "x", "positive": oops}\n')
+    capsys.readouterr()
+    assert _run("--data", bad, "--batch-size", 64, "--steps", 2, "--out", out, "--overwrite") == 2
+    assert "bad.jsonl:2: malformed JSON" in capsys.readouterr().err
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text('{"query": "x"}\n')
+    assert _run("--data", missing, "--steps", 2, "--out", out, "--overwrite") == 2
+    assert 'missing.jsonl:1: missing field "positive"' in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert _run("--data", empty, "--steps", 2, "--out", out, "--overwrite") == 2
+    assert "empty" in capsys.readouterr().err
+    assert _snapshot(out) == before
+
+
+def test_output_dir_guards(tmp_path, data, capsys):
+    out = tmp_path / "run"
+    common = ["--data", data[0], "--eval-data", data[1], "--batch-size", 64, "--chunk-size", 32, "--out", out]
+    assert _run(*common, "--resume", "--steps", 2) == 2
+    assert "no checkpoint" in capsys.readouterr().err and not out.exists()
+    assert _run(*common, "--steps", 2) == 0
+    before = _snapshot(out)
+    assert _run(*common, "--steps", 2) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert _run(*common, "--steps", 3, "--resume") == 2  # the saved run had 2 steps
+    assert "--steps 3" in capsys.readouterr().err
+    assert _snapshot(out) == before
+    assert _run(*common, "--steps", 1, "--overwrite") == 0
+    assert json.loads((out / "results.json").read_text())["steps"] == 1
+
+
+@pytest.mark.parametrize(
+    "args, pattern",
+    [
+        (["--batch-size", "1"], "--batch-size must be >= 2"),
+        (["--chunk-size", "8", "--memory-budget", "1GiB"], "not both"),
+        (["--memory-budget", "lots"], "cannot read"),
+        (["--hard-negatives", "1"], "needs --loss infonce"),
+        (["--precision", "fp16", "--device", "cpu"], "fp16 needs a CUDA device"),
+        (["--model", "/nonexistent/dir"], "not a directory"),
+        (["--batch-size", "100000"], "larger than the training set"),
+        (["--loss", "infonce", "--hard-negatives", "5"], "fewer negatives"),
+        (["--lr", "-1"], "--lr must be a positive"),
+    ],
+)
+def test_bad_options_are_clear_errors(tmp_path, data, capsys, args, pattern):
+    try:
+        rc = _run("--data", data[0], "--eval-data", data[1], "--steps", 1, "--batch-size", 64, "--out", tmp_path / "o",
+                  *args)
+    except SystemExit as e:  # argparse rejects some values itself
+        rc = e.code
+    assert rc == 2
+    assert pattern in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("extra", [["--loss", "siglip"], ["--accumulate"], ["--precision", "bf16"],
+                                   ["--memory-budget", "64MiB"], ["--loss", "infonce", "--hard-negatives", "2"]])
+def test_variants_run(tmp_path, data, extra):
+    out = tmp_path / "run"
+    assert _run("--data", data[0], "--eval-data", data[1], "--batch-size", 64, "--chunk-size", 16, "--steps", 3,
+                "--out", out, *extra) == 0 if "--memory-budget" not in extra else True
+    if "--memory-budget" in extra:
+        assert _run("--data", data[0], "--eval-data", data[1], "--batch-size", 64, "--steps", 3,
+                    "--out", out, "--overwrite", *extra) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["finished"]
+    losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert len(losses) == 3 and all(map(lambda v: v == v and abs(v) < 1e3, losses))
+
+
+def test_cli_help_and_bench_dispatch(capsys):
+    for argv in (["--help"], ["train", "--help"], ["bench", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 0
+    assert "--chunk-size" in capsys.readouterr().out
+    assert main(["bench", "list"]) == 0
+    assert "memory" in capsys.readouterr().out.split()
+    assert main(["bench", "no_such_bench"]) == 2
+    assert "unknown benchmark" in capsys.readouterr().err
+    assert main([]) == 2
