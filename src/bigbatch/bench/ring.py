@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .common import cuda_time_ms, hardware, matmul_tflops, measure, wall_time_ms, write_json
 
-PEERS = ("ring", "gather", "infcl", "single")
+PEERS = ("ring", "gather", "infcl", "single", "compute")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # OpenCLIP-style gather: live fp32 (b_local x B) matrices in forward+backward, calibrated on
 # DESIGN.md section 3 (65,536 on 2 GPUs -> 32 GiB): used only to skip cases that cannot fit.
@@ -135,12 +135,48 @@ def _infcl_step(img, txt, ls):
     loss.backward()
 
 
+def _compute_only(img, txt, s, backend, world: int, chunk: int) -> None:
+    """The ring's per-rank backend work WITHOUT communication (diagnostic peer ``compute``).
+
+    Same calls as :class:`bigbatch.distributed.softmax.RingSoftmax` makes: ``world`` forward
+    passes over a (b_local x b_local) block, then ``world`` chunked backward passes with fp32
+    accumulators; ring time minus this time is what communication and its waits cost.
+    """
+    from bigbatch.distributed.softmax import _chunks
+
+    b, d = img.shape
+    ct = torch.float32
+    with torch.no_grad():
+        lse_row = lse_col = None
+        for _ in range(world):
+            r, c = backend.lse(img, txt, s, rows=True, cols=True)
+            lse_row = r if lse_row is None else torch.logaddexp(lse_row, r)
+            lse_col = c if lse_col is None else torch.logaddexp(lse_col, c)
+        g = torch.full((b,), 0.5 / (b * world), device=img.device)
+        dq = torch.zeros((b, d), dtype=ct, device=img.device)
+        for _ in range(world):
+            acc = []
+            for cs in _chunks(b, chunk):
+                dk_cs = None
+                for rs in _chunks(b, chunk):
+                    dq_c, dk_c, _ = backend.lse_grad(img[rs], txt[cs], s, lse_row[rs], lse_col[cs], g[rs], g[cs],
+                                                     grad_dtype=ct)
+                    dq[rs] += dq_c
+                    dk_cs = dk_c if dk_cs is None else dk_cs.add_(dk_c)
+                acc.append(dk_cs)
+
+
 def _case(peer: str, b_global: int, d: int, dtype: torch.dtype, args, device, backend) -> Dict[str, Any]:
     import bigbatch
+    from bigbatch.distributed import ring_clip_loss
+    from bigbatch.distributed.softmax import grad_chunk_rows
 
     rank, world = dist.get_rank(), dist.get_world_size()
     b_local = b_global // world
-    row: Dict[str, Any] = {"peer": peer, "B": b_global, "D": d, "b_local": b_local}
+    peer, _, chunk_arg = peer.partition("@")  # "ring@32768": the ring with that backward chunk
+    chunk = int(chunk_arg) if chunk_arg else None
+    row: Dict[str, Any] = {"peer": peer, "B": b_global, "D": d, "b_local": b_local,
+                           "grad_chunk": chunk or grad_chunk_rows(d)}
     if peer == "infcl":
         try:
             import inf_cl  # noqa: F401
@@ -166,6 +202,12 @@ def _case(peer: str, b_global: int, d: int, dtype: torch.dtype, args, device, ba
     if peer == "infcl":
         def body():
             _infcl_step(img, txt, ls)
+    elif peer == "compute":
+        def body():
+            _compute_only(img.detach(), txt.detach(), ls.detach().exp(), backend, world, row["grad_chunk"])
+    elif peer == "ring" and chunk is not None:
+        def body():
+            ring_clip_loss(img, txt, ls.exp(), group=dist.group.WORLD, backend=backend, grad_chunk=chunk).backward()
     else:
         group = None if peer == "single" else dist.group.WORLD
         be = "reference" if peer == "gather" else backend
@@ -204,29 +246,47 @@ def _shift_bandwidth(device, b_local: int, d: int) -> Dict[str, Any]:
 
 
 def _summary(rows: List[Dict[str, Any]], world: int, rate: float) -> Dict[str, Any]:
+    """Per global B: the ring (default backward chunk; the median over repeated measurements of
+    it, if the peer list names it more than once) against the single GPU, inf-cl and gather."""
+    from bigbatch.distributed.softmax import grad_chunk_rows
+
     out: Dict[str, Any] = {}
     for b in sorted({r["B"] for r in rows}):
+        ok = [r for r in rows if r["B"] == b and r.get("status") == "ok"]
+
         def get(peer):
-            for r in rows:
-                if r["B"] == b and r["peer"] == peer and r.get("status") == "ok":
+            for r in ok:
+                if r["peer"] == peer:
                     return r
             return None
-        ring, single, infcl, gather = get("ring"), get("single"), get("infcl"), get("gather")
+
+        single, infcl, gather = get("single"), get("infcl"), get("gather")
+        rings = [r for r in ok if r["peer"] == "ring" and r["grad_chunk"] == grad_chunk_rows(r["D"])]
         s: Dict[str, Any] = {}
-        if ring:
-            s["ring_ms"] = ring["median_ms"]
-            s["ring_extra_gib"] = ring.get("extra_gib")
-            s["ring_effective_tflops_per_gpu"] = 8.0 * b * b * ring["D"] / world / (ring["median_ms"] * 1e-3) / 1e12
+        if rings:
+            ring_ms = statistics.median(r["median_ms"] for r in rings)
+            d = rings[0]["D"]
+            s["ring_ms"] = ring_ms
+            s["ring_ms_each_measurement"] = [r["median_ms"] for r in rings]
+            s["ring_extra_gib"] = max((r.get("extra_gib") or 0.0) for r in rings)
+            s["ring_effective_tflops_per_gpu"] = 8.0 * b * b * d / world / (ring_ms * 1e-3) / 1e12
             s["ring_pct_of_bf16_matmul"] = 100 * s["ring_effective_tflops_per_gpu"] / rate if rate else None
-        if ring and single:
-            s["single_gpu_ms"] = single["median_ms"]
-            s["scaling_efficiency"] = single["median_ms"] / (world * ring["median_ms"])
-        if ring and infcl:
-            s["infcl_ms"] = infcl["median_ms"]
-            s["speedup_vs_infcl"] = infcl["median_ms"] / ring["median_ms"]
-        if ring and gather:
-            s["gather_ms"] = gather["median_ms"]
-            s["speedup_vs_gather"] = gather["median_ms"] / ring["median_ms"]
+            variants = {str(r["grad_chunk"]): r["median_ms"] for r in ok if r["peer"] == "ring"}
+            if len(variants) > 1:
+                s["ring_ms_by_grad_chunk"] = variants
+            compute = get("compute")
+            if compute:
+                s["compute_only_ms"] = compute["median_ms"]
+                s["comm_and_wait_share"] = 1.0 - compute["median_ms"] / ring_ms
+            if single:
+                s["single_gpu_ms"] = single["median_ms"]
+                s["scaling_efficiency"] = single["median_ms"] / (world * ring_ms)
+            if infcl:
+                s["infcl_ms"] = infcl["median_ms"]
+                s["speedup_vs_infcl"] = infcl["median_ms"] / ring_ms
+            if gather:
+                s["gather_ms"] = gather["median_ms"]
+                s["speedup_vs_gather"] = gather["median_ms"] / ring_ms
         out[str(b)] = s
     return out
 
@@ -236,7 +296,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[65536, 131072, 262144], help="global batch sizes")
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS))
+    p.add_argument("--peers", nargs="+", default=["ring", "single", "infcl", "gather"],
+                   help=f"among {PEERS}; 'ring@N' / 'compute@N' use N rows per backward chunk")
     p.add_argument("--backend", default="auto", help="tile backend of the ring and the single-GPU baseline")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--repeat-slow", type=int, default=1, help="repeats of inf-cl at B >= 131072")
@@ -245,6 +306,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--check-batch", type=int, default=8192, help="global batch of the correctness check")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ring_h200x<n>.json)")
     args = p.parse_args(argv)
+    for peer in args.peers:
+        if peer.partition("@")[0] not in PEERS:
+            p.error(f"unknown peer {peer!r}; choose among {PEERS}")
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
