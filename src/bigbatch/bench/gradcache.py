@@ -80,6 +80,13 @@ def _time(fn: Callable[[], Any], cuda: bool, warmup: int, repeat: int) -> Dict[s
     return {"status": "ok", "median_ms": statistics.median(times), "times_ms": times, "extra_gib": None}
 
 
+def _encode_step(bigbatch, mq, mp, qi, pi, loss_fn, amp) -> None:
+    """A user's own step with cached_encode: encoders and loss under autocast, plain backward."""
+    with torch.autocast(**amp):
+        loss = loss_fn(bigbatch.cached_encode(mq, qi, 16, get_rep_fn=_rep), bigbatch.cached_encode(mp, pi, 16, get_rep_fn=_rep))
+    loss.backward()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", type=int, nargs="+", default=[512, 1024, 2048, 8192])
@@ -90,7 +97,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="tiny BERT (CPU dry run)")
     p.add_argument("--cpu", action="store_true")
-    p.add_argument("--skip", nargs="*", default=[], choices=["full", "public", "bigbatch"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["full", "public", "bigbatch", "offload"])
+    p.add_argument("--offload-batches", type=int, nargs="*", default=[8192],
+                   help="batch sizes at which bigbatch.GradCache also runs with inputs and reps offloaded to the CPU")
     p.add_argument("--out", default="benchmarks/results/gradcache_h200.json")
     args = p.parse_args(argv)
 
@@ -147,12 +156,29 @@ def main(argv: Optional[List[str]] = None) -> int:
         "batch": b0, "chunk": 16, "loss_ref": ref_loss.item(), "loss": loss.item(),
         "grad_rel_err": ((g - g_ref).norm() / g_ref.norm()).item(),
     }
+    # the same step with inputs offloaded (pinned CPU, side-stream copies) and reps on the CPU,
+    # and through the autograd-native cached_encode: all must give the same gradients
+    cpu_q = {kk: v.cpu() for kk, v in qi.items()}
+    cpu_p = {kk: v.cpu() for kk, v in pi.items()}
+    variants = {
+        "offload": lambda: GradCache([mq, mp], chunk_sizes=16, loss_fn=loss_fn, get_rep_fn=_rep, autocast_dtype=torch.bfloat16,
+                                     offload_inputs=True, offload_reps=True)(cpu_q, cpu_p),
+        "cached_encode": lambda: _encode_step(bigbatch, mq, mp, qi, pi, loss_fn, amp),
+    }
+    for name, fn in variants.items():
+        for t in params:
+            t.grad.zero_()
+        torch.manual_seed(5)
+        fn()
+        result["check"][f"{name}_grad_rel_err_vs_gradcache"] = ((grads() - g).norm() / g.norm()).item()
     _log(f"check: {result['check']}")
     del q, k, ref_loss, g, g_ref, gcache
     for t in params:
         t.grad.zero_()
 
     bb = GradCache([mq, mp], memory_budget=args.budget, loss_fn=loss_fn, get_rep_fn=_rep, autocast_dtype=torch.bfloat16)
+    bb_off = GradCache([mq, mp], memory_budget=args.budget, loss_fn=loss_fn, get_rep_fn=_rep, autocast_dtype=torch.bfloat16,
+                       offload_inputs=True, offload_reps=True)
     public = None
     if public_cls is not None:
         public = public_cls([mq, mp], args.public_chunk, loss_fn=loss_fn, get_rep_fn=_rep)
@@ -174,7 +200,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         def ours():
             bb(qi, pi)
 
-        for name, fn in (("full", full), ("public", pub), ("bigbatch", ours)):
+        qc, pc = ({kk: v.cpu().pin_memory() if cuda else v for kk, v in d.items()} for d in (qi, pi))
+
+        def ours_offload():
+            bb_off(qc, pc)
+
+        for name, fn in (("full", full), ("public", pub), ("bigbatch", ours), ("bigbatch_offload", ours_offload)):
+            if name == "bigbatch_offload" and (b not in args.offload_batches or "offload" in args.skip):
+                continue
             if name in args.skip or (name == "public" and public is None):
                 row[name] = {"status": "skipped"}
                 continue
