@@ -128,6 +128,7 @@ class GradCache:
         self._prober = ChunkProber()
         self.last_chunk_sizes: List[int] = []  # what the last step used, per input (for logs/benchmarks)
         self.last_kept: int = 0  # how many chunks kept their pass-1 graph in the last step
+        self.last_kept_rows: List[int] = []  # per input: rows whose pass-1 graph was kept (not re-run)
 
     def __call__(self, *inputs: Any, **loss_kwargs: Any) -> Tensor:
         return self.cache_step(*inputs, **loss_kwargs)
@@ -199,6 +200,7 @@ class GradCache:
         self._plan_keep(units, costs, budget)
         finalize_plan(units, self.ddp_sync)
         self.last_chunk_sizes, self.last_kept = sizes, sum(u.keep for u in units)
+        self.last_kept_rows = [sum(u.rows for u in units if u.keep and u.input_index == i) for i in range(len(inputs))]
         opts = EngineOptions(self.get_rep_fn, self.autocast_dtype, self.offload_inputs, self.offload_reps, self.ddp_sync)
         try:
             reps = encode(units, opts, len(inputs))
