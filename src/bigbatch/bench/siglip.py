@@ -35,10 +35,7 @@ IMPLS = ("naive", "torch", "triton")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, maxnreg): a register cap of 128 with 8 warps lets two
 # programs share an SM (one's epilogue overlaps the other's products); 4-warp tiles do it with less.
-TUNE_CONFIGS = [
-    (128, 128, 64, 8, 3, 0), (128, 128, 64, 8, 3, 128), (128, 64, 64, 4, 3, 0),
-    (64, 128, 64, 4, 3, 0), (128, 64, 64, 4, 4, 168), (128, 128, 64, 8, 2, 128),
-]
+TUNE_CONFIGS = [(128, 128, 64, 8, 3, 0), (128, 128, 64, 8, 3, 128), (128, 64, 64, 4, 3, 0), (128, 64, 64, 4, 4, 168)]
 
 
 def flops(b: int, d: int) -> float:
