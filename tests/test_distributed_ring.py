@@ -202,6 +202,13 @@ def _errors(rank, world):
     # after all those errors the group still works
     out = bigbatch.clip_loss(f(3, 4), f(3, 4), 1.0, group=group, backend="torch")
     assert torch.isfinite(out)
+    # NaN in one rank's features is never turned into a finite loss, on any rank
+    x = f(3, 4)
+    if rank == 1:
+        x[1, 2] = float("nan")
+    for be in ("torch", "reference"):
+        out = bigbatch.clip_loss(x, f(3, 4), 1.0, group=group, backend=be)
+        assert torch.isnan(out), f"backend {be}: NaN features gave loss {out.item()} on rank {rank}"
 
 
 def _random_shapes(rank, world):
