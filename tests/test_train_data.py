@@ -130,8 +130,10 @@ def test_split_on_real_stdlib_package_has_no_leakage():
     import email
 
     root = Path(email.__file__).parent.parent  # the stdlib; restrict to a few packages for speed
-    pairs = [p for p in extract_pairs([root / "email", root / "json"]) ]
-    assert len(pairs) > 50
+    roots = [root / "email", root / "json", root / "asyncio", root / "xml"]
+    pairs = extract_pairs(roots, workers=1)
+    assert len(pairs) > 200
+    assert extract_pairs(roots, workers=2) == pairs  # parallel parsing keeps the order
     train, held = split_by_group(pairs, 0.3, seed=0)
     assert train and held
     assert not ({p.group for p in train} & {p.group for p in held})

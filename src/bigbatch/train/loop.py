@@ -454,7 +454,7 @@ def train(
 
     bar = None
     if cfg.progress and d.rank == 0:
-        from tqdm.auto import tqdm
+        from tqdm import tqdm
 
         bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
     step = start
@@ -486,6 +486,7 @@ def train(
             else:
                 opt.step()
             step += 1
+            step_rng = rng_state()  # evaluation and saving draw no random numbers
             dt = time.perf_counter() - t0
             rec = {"step": step, "epoch": step / per_epoch, "loss": float(loss), "lr": lr,
                    "scale": float(model.scale().detach()), "examples_per_s": cfg.batch_size / dt,
@@ -505,7 +506,7 @@ def train(
                 bar.update(1)
             if step % save_every == 0 or step == total or step == stop_after:
                 if cfg.save:
-                    _save(out, step, model, opt, scaler, cfg, d, rng_state())
+                    _save(out, step, model, opt, scaler, cfg, d, step_rng)
                 if d.rank == 0:
                     _plot(out)
     except KeyboardInterrupt:
