@@ -63,7 +63,7 @@ class _Config:
     super_rows: int  # dS workspace shape
     super_cols: int
     programs: int  # forward grid size to aim for
-    one_exp: int = 1  # one exp2 per logit for both directions (see the kernels)
+    one_exp: int = 0  # 1: one exp2 per logit for both directions (slower on an H200: see docs/kernels.md)
     flat: int = 0  # forward: one flattened (tile, D chunk) loop
     kmajor: int = 0  # backward products read K-major operands (dS.T copy, transposed q/k chunks)
 
