@@ -222,3 +222,27 @@ def test_hf_model_minilm_runs(tmp_path, data):
     assert res["finished"] and 0 <= res["after"]["recall@1"] <= 1
     weights = _weights(out)
     assert any(k.startswith("encoder.model.") for k in weights)
+
+
+def test_ctrl_c_saves_and_resume_is_exact(tmp_path, data, monkeypatch):
+    """Ctrl-C during step 4 checkpoints step 3 (with the RNG of that boundary); resuming matches a whole run."""
+    import bigbatch.train.loop as loop
+
+    base = dict(data=str(data[0]), eval_data=str(data[1]), batch_size=64, chunk_size=16, steps=6, lr=0.02,
+                buckets=4096, dim=32, max_length=16, progress=False, save_every=100, eval_every=100)
+    train(TrainConfig(**base, out=str(tmp_path / "a")), log=lambda s: None)
+    real = loop.lr_at
+
+    def interrupt_at_3(step, *a):
+        if step == 3:
+            raise KeyboardInterrupt
+        return real(step, *a)
+
+    monkeypatch.setattr(loop, "lr_at", interrupt_at_3)
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainConfig(**base, out=str(tmp_path / "b")), log=lambda s: None)
+    assert (tmp_path / "b" / "checkpoints" / "latest").read_text() == "step-00000003"
+    monkeypatch.setattr(loop, "lr_at", real)
+    train(TrainConfig(**base, out=str(tmp_path / "b")), resume=True, log=lambda s: None)
+    wa, wb = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
