@@ -12,6 +12,8 @@ exceeds ``--max-est-s`` are recorded as skipped with the estimate.
     python -m bigbatch.bench.clip                       # the issue's grid -> benchmarks/results/clip_h200.{json,png}
     python -m bigbatch.bench.clip --batch 8192 32768 --dims 512 --dtypes bf16 --impls naive triton
     python -m bigbatch.bench.clip --tune                # block-shape sweep of the Triton kernels
+    python -m bigbatch.bench.clip --ab                  # time the kernel variants first, run the grid with the fastest
+    python -m bigbatch.bench.clip --replot benchmarks/results/clip_h200.json   # redraw the PNG (no GPU)
 """
 
 from __future__ import annotations
@@ -197,13 +199,18 @@ def plot(payload: Dict[str, Any], path: str) -> None:
 
     rows = payload["results"]
     combos = sorted({(r["dtype"], r["D"]) for r in rows})
-    fig, axes = plt.subplots(1, len(combos), figsize=(5 * len(combos), 4), squeeze=False)
-    for ax, (dt, d) in zip(axes[0], combos):
+    ncols = min(2, len(combos))
+    nrows = -(-len(combos) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 4.2 * nrows), squeeze=False)
+    colors = {"naive": "tab:blue", "infcl": "tab:orange", "torch": "tab:green", "triton": "tab:red"}
+    for ax in axes.flat[len(combos):]:
+        ax.set_visible(False)
+    for ax, (dt, d) in zip(axes.flat, combos):
         for impl in IMPLS:
             pts = sorted((r["B"], r["tflops"]) for r in rows
                          if r["impl"] == impl and r["dtype"] == dt and r["D"] == d and "tflops" in r)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl, color=colors[impl])
         ax.axhline(payload["matmul_tflops"]["bf16"], color="gray", ls="--", lw=0.8, label="bf16 matmul")
         ax.axhline(0.5 * payload["matmul_tflops"]["bf16"], color="gray", ls=":", lw=0.8, label="50% bf16")
         ax.set_xscale("log", base=2)
@@ -389,8 +396,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--tune-batch", type=int, default=32768)
     p.add_argument("--ab", action="store_true",
                    help="first time the kernel variants (checked against float64) and run the grid with the fastest")
+    p.add_argument("--replot", metavar="JSON", default=None, help="only redraw the PNG of an earlier run's JSON")
     args = p.parse_args(argv)
     args.triton_tune = {}
+    if args.replot:
+        import json
+
+        with open(args.replot) as fh:
+            payload = json.load(fh)
+        png = args.plot or os.path.splitext(args.replot)[0] + ".png"
+        plot(payload, png)
+        print(f"wrote {png}")
+        return 0
     if not torch.cuda.is_available():
         print("bigbatch.bench.clip needs a CUDA GPU", file=sys.stderr)
         return 2
