@@ -107,7 +107,9 @@ def test_lse_grad(dtype, which):
 
 
 @pytest.mark.parametrize(
-    "tune", [{}, {"one_exp": 0}, {"flat": 1}, {"flat": 1, "one_exp": 0}, {"kmajor": 1}], ids=str
+    "tune",
+    [{}, {"one_exp": 1}, {"ds_one_exp": 1}, {"flat": 1}, {"flat": 1, "one_exp": 1}, {"kmajor": 1}],
+    ids=str,
 )
 @pytest.mark.parametrize("spread", [False, True], ids=["close", "spread"])
 def test_kernel_variants(tune, spread):
@@ -338,9 +340,9 @@ def test_gpu_infonce_labels_and_nan():
     "dtype,tune",
     [
         (torch.bfloat16, {"flat": 1}),
-        (torch.bfloat16, {"one_exp": 0}),
+        (torch.bfloat16, {"one_exp": 1, "ds_one_exp": 1}),
         (torch.float32, {"flat": 1}),
-        (torch.float32, {"one_exp": 0}),
+        (torch.float32, {"one_exp": 1, "ds_one_exp": 1}),
         (torch.float32, {"kmajor": 0}),
     ],
     ids=str,

@@ -63,7 +63,8 @@ class _Config:
     super_rows: int  # dS workspace shape
     super_cols: int
     programs: int  # forward grid size to aim for
-    one_exp: int = 0  # 1: one exp2 per logit for both directions (slower on an H200: see docs/kernels.md)
+    one_exp: int = 0  # forward: 1 = one exp2 per logit for both directions (slower on an H200: docs/kernels.md)
+    ds_one_exp: int = 0  # backward dS kernel: 1 = one exp2 per logit (outer-product form, exact fallback)
     flat: int = 0  # forward: one flattened (tile, D chunk) loop
     kmajor: int = 0  # backward products read K-major operands (dS.T copy, transposed q/k chunks)
 
@@ -284,7 +285,7 @@ class TritonTiles:
                     ws_t_ij.stride(0) if kmajor else 0,
                     HAS_ROW=use_rows, HAS_COL=use_cols,
                     BLOCK_M=cfg.ds_block_m, BLOCK_N=cfg.ds_block_n, BLOCK_D=cfg.ds_block_d,
-                    DOT_DTYPE=dot_dtype, PRECISION=precision, ONE_EXP=bool(cfg.one_exp), WRITE_T=kmajor,
+                    DOT_DTYPE=dot_dtype, PRECISION=precision, ONE_EXP=bool(cfg.ds_one_exp), WRITE_T=kmajor,
                     num_warps=cfg.ds_warps, num_stages=cfg.ds_stages,
                 )
                 qi_b = qi.t().contiguous().t() if kmajor else qi
