@@ -97,7 +97,7 @@ def reference(models, inputs, chunk, loss_fn, seed, autocast=None, **loss_kwargs
     torch.manual_seed(seed)
     ctx = torch.autocast("cpu", dtype=autocast) if autocast else torch.autocast("cpu", enabled=False)
     with ctx:
-        reps = [torch.cat([call(m, c) for c in split_batch(x, n)]) for m, x, n in zip(ms, inputs, chunks)]
+        reps = [torch.cat([call(m, c) for c in split_batch(x, n, short_first=True)]) for m, x, n in zip(ms, inputs, chunks)]
         loss = loss_fn(*reps, **loss_kwargs)
     loss.backward()
     return loss.detach()
@@ -422,3 +422,26 @@ def test_no_kept_graph_survives_an_error():
     gc = GradCache(m, chunk_sizes=3, loss_fn=failing)
     with pytest.raises(RuntimeError, match="boom"):
         gc(x, x)
+
+
+def test_split_batch_short_first_and_types():
+    from transformers import BatchEncoding
+
+    x = BatchEncoding({"input_ids": torch.arange(10).view(10, 1), "flag": torch.tensor(1.0), "name": "q"})
+    chunks = split_batch(x, 4, short_first=True)
+    assert [c["input_ids"].shape[0] for c in chunks] == [2, 4, 4]
+    assert all(isinstance(c, BatchEncoding) and c["name"] == "q" and c["flag"].dim() == 0 for c in chunks)
+    assert torch.equal(torch.cat([c["input_ids"] for c in chunks]), x["input_ids"])
+    assert [c.shape[0] for c in split_batch(torch.zeros(10, 2), 4)] == [4, 4, 2]
+
+
+def test_cached_representations_do_not_pin_model_outputs():
+    """A get_rep_fn that slices (``out[:, 0]``) must not keep every chunk's full output alive."""
+    from bigbatch.gradcache.engine import compact
+
+    big = torch.randn(6, 50, 4)
+    view = big[:, 0]
+    c = compact(view)
+    assert torch.equal(c, view) and c.untyped_storage().nbytes() == c.numel() * c.element_size()
+    dense = torch.randn(6, 4)
+    assert compact(dense).data_ptr() == dense.data_ptr()  # no copy when nothing is pinned

@@ -70,17 +70,15 @@ class ChunkCost:
         return self.act_per_row * rows
 
     def largest_chunk(self, budget: int, cap: int) -> int:
-        """Rows per chunk for a batch of ``cap`` rows: the fewest chunks whose peak fits ``budget``, of
-        equal size (``ceil(cap / n)``); ``ValueError`` if not even one row fits."""
+        """Largest row count (<= cap) whose peak fits ``budget`` -- the same at every batch size, so
+        the step's peak memory does not depend on B; ``ValueError`` if not even one row fits."""
         room = budget - self.fixed
         if room < self.per_row:
             raise ValueError(
                 f"memory_budget of {budget / 2**30:.3g} GiB is too small for even one example "
                 f"(about {self.peak(1) / 2**30:.3g} GiB for forward + backward of one row)"
             )
-        fit = max(1, min(cap, int(room // max(self.per_row, 1.0))))
-        n = -(-cap // fit)  # as few chunks as fit, then equal sizes (no tiny tail chunk)
-        return -(-cap // n)
+        return max(1, min(cap, int(room // max(self.per_row, 1.0))))
 
 
 def _signature(model: nn.Module, x: Any, autocast: Optional[torch.dtype]) -> Tuple:

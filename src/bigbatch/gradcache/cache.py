@@ -179,7 +179,7 @@ class GradCache:
             held += cost.held(u.rows)
 
     def _split(self, x: Any, chunk: int) -> List[Any]:
-        chunks = self.split_input_fn(x, chunk) if self.split_input_fn is not None else split_batch(x, chunk)
+        chunks = self.split_input_fn(x, chunk) if self.split_input_fn is not None else split_batch(x, chunk, short_first=True)
         if not chunks:
             raise ValueError("split_input_fn returned no chunks")
         return list(chunks)

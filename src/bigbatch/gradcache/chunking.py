@@ -55,15 +55,21 @@ def _remap(like: Mapping, items: dict) -> Any:
         return dict(items)
 
 
-def split_batch(x: Any, chunk_size: int) -> List[Any]:
-    """``x`` cut into consecutive chunks of ``chunk_size`` rows (the last may be shorter)."""
+def split_batch(x: Any, chunk_size: int, *, short_first: bool = False) -> List[Any]:
+    """``x`` cut into consecutive chunks of ``chunk_size`` rows; the one shorter chunk (if B is not
+    a multiple) comes last, or first with ``short_first`` (GradCache keeps the graph of the last
+    chunk, so a full-size last chunk saves the most recomputation)."""
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    n = -(-batch_size(x) // chunk_size)
+    b = batch_size(x)
+    n = -(-b // chunk_size)
+    tail = b - (n - 1) * chunk_size
+    starts = [0] + [tail + i * chunk_size for i in range(n - 1)] if short_first else [i * chunk_size for i in range(n)]
+    bounds = [(s, min(s + (tail if (short_first and i == 0) else chunk_size), b)) for i, s in enumerate(starts)]
 
     def cut(v: Any, i: int) -> Any:
         if isinstance(v, Tensor):
-            return v if v.dim() == 0 else v[i * chunk_size : (i + 1) * chunk_size]
+            return v if v.dim() == 0 else v[bounds[i][0] : bounds[i][1]]
         if isinstance(v, Mapping):
             return _remap(v, {k: cut(w, i) for k, w in v.items()})
         if isinstance(v, (list, tuple)):

@@ -93,7 +93,7 @@ def cached_encode(
         module = model.module if is_ddp(model) else model
         cost = _PROBER.cost(module, inputs, get_rep, _autocast(device, autocast_dtype), autocast_dtype)
         chunk_size = cost.largest_chunk(int(budget * _BUDGET_FRACTION), b)
-    chunks = split_input_fn(inputs, chunk_size) if split_input_fn is not None else split_batch(inputs, chunk_size)
+    chunks = split_input_fn(inputs, chunk_size) if split_input_fn is not None else split_batch(inputs, chunk_size, short_first=True)
     units = [Unit(0, model, c, batch_size(c, "a chunk of inputs")) for c in chunks]
     opts = EngineOptions(get_rep, autocast_dtype, offload_inputs, offload_reps, ddp_sync)
     needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())

@@ -69,6 +69,16 @@ def _rep(opts: EngineOptions, model: nn.Module, chunk: Any, rows: int) -> Tensor
     return rep
 
 
+def compact(rep: Tensor) -> Tensor:
+    """``rep`` detached, copied when it is a view into a larger tensor. A representation such as
+    ``out.last_hidden_state[:, 0]`` would otherwise keep the whole (rows, seq, hidden) output of
+    every chunk alive until the step ends: B * seq * hidden floats, which grows with the batch."""
+    rep = rep.detach()
+    if rep.untyped_storage().nbytes() > rep.numel() * rep.element_size():
+        rep = rep.clone(memory_format=torch.contiguous_format)
+    return rep
+
+
 def finalize_plan(units: Sequence[Unit], ddp_sync: str) -> None:
     """Apply the DDP rules above to the ``keep`` flags (in place)."""
     by_model: Dict[int, List[Unit]] = {}
@@ -99,11 +109,11 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
                 with sync_context(u.model, sync=False)(), torch.enable_grad(), amp():
                     rep = _rep(opts, u.model, chunk, u.rows)
                 u.kept_rep = rep
-                rep = rep.detach()
+                rep = compact(rep)
             else:
                 u.rng = RngState(cuda_devices_of(tensor_leaves(chunk) + [p for p in params if p is not None]))
                 with torch.no_grad(), amp():
-                    rep = _rep(opts, u.model, chunk, u.rows)
+                    rep = compact(_rep(opts, u.model, chunk, u.rows))
             per_input[i].append(rep.to("cpu", non_blocking=False) if opts.offload_reps else rep)
     out = []
     for i, reps in enumerate(per_input):
