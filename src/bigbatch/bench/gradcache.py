@@ -98,6 +98,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny BERT (CPU dry run)")
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--skip", nargs="*", default=[], choices=["full", "public", "bigbatch", "offload"])
+    p.add_argument("--public-batches", type=int, nargs="*", default=None,
+                   help="batch sizes at which the public GradCache runs (default: all)")
     p.add_argument("--offload-batches", type=int, nargs="*", default=[8192],
                    help="batch sizes at which bigbatch.GradCache also runs with inputs and reps offloaded to the CPU")
     p.add_argument("--out", default="benchmarks/results/gradcache_h200.json")
@@ -207,6 +209,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         for name, fn in (("full", full), ("public", pub), ("bigbatch", ours), ("bigbatch_offload", ours_offload)):
             if name == "bigbatch_offload" and (b not in args.offload_batches or "offload" in args.skip):
+                continue
+            if name == "public" and args.public_batches is not None and b not in args.public_batches:
+                row[name] = {"status": "skipped"}
                 continue
             if name in args.skip or (name == "public" and public is None):
                 row[name] = {"status": "skipped"}
