@@ -301,6 +301,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--backend", default="auto", help="tile backend of the ring and the single-GPU baseline")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--repeat-slow", type=int, default=1, help="repeats of inf-cl at B >= 131072")
+    p.add_argument("--warm-s", type=float, default=0.0,
+                   help="run the ring this many seconds before measuring (GPU clocks settle; run 2 of "
+                        "ring_h200x2 saw the same ring at 588 ms cold and 486 ms warm)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check")
     p.add_argument("--cpu-smoke", action="store_true", help="run on CPUs with gloo (tiny sizes; a smoke test)")
     p.add_argument("--check-batch", type=int, default=8192, help="global batch of the correctness check")
@@ -358,6 +361,23 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     gpu = torch.cuda.get_device_name(0).split()[-1].lower() if device.type == "cuda" else "cpu"
     out_path = args.out or os.path.join("benchmarks", "results", f"ring_{gpu}x{world}.json")
+    if args.warm_s > 0:
+        import bigbatch
+
+        b_local = args.batches[0] // world
+        img = _unit(b_local, args.dim, dtype, 1, device).requires_grad_()
+        txt = _unit(b_local, args.dim, dtype, 2, device).requires_grad_()
+        t_end, n_warm = time.time() + args.warm_s, 0
+        while True:  # every rank runs the same number of steps: rank 0 decides when to stop
+            bigbatch.clip_loss(img, txt, 10.0, group=dist.group.WORLD, backend=backend).backward()
+            n_warm += 1
+            stop = torch.tensor([float(time.time() > t_end)], device=device)
+            dist.broadcast(stop, 0)
+            if stop.item():
+                break
+        payload["warm_up"] = {"seconds": args.warm_s, "ring_steps": n_warm, "B": args.batches[0]}
+        _log(f"warm-up: {n_warm} ring steps")
+        del img, txt
     rows: List[Dict[str, Any]] = []
     for b in args.batches:
         for peer in args.peers:
