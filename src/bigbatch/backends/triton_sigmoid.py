@@ -33,12 +33,37 @@ from .torch_sigmoid import blocks, check_ids
 _AUTO_TILE_BYTES = {"cuda": 1 << 29, "cpu": 1 << 16}
 
 
+@triton.jit
+def _exp2(x, FAST: tl.constexpr):
+    if FAST:  # one MUFU.EX2 (rel. error ~2^-22); subnormal results flush to 0
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
+def _rcp(x, FAST: tl.constexpr):
+    if FAST:  # one MUFU.RCP (1 ulp) instead of the range-checked division
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return 1.0 / x
+
+
+@triton.jit
+def _log2(x, FAST: tl.constexpr):
+    if FAST:  # one MUFU.LG2 (abs. error ~2^-22) instead of libdevice's polynomial
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.log2(x)
+
+
 @triton.jit(do_not_specialize=["diagonal"])
 def _siglip_tile_kernel(
     Q, K, G, QIDS, KIDS, LOSS_PART, GSUM_PART, SCALE, BIAS,
     M, N, D, diagonal,
     stride_qm, stride_kn, stride_gm,
-    HAS_IDS: tl.constexpr, WRITE_G: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_IDS: tl.constexpr, WRITE_G: tl.constexpr, EVEN_K: tl.constexpr, MASK_MN: tl.constexpr,
+    PRECISION: tl.constexpr, FAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Grouped program order: GROUP_M row blocks share their column blocks while those sit in L2.
@@ -60,9 +85,9 @@ def _siglip_tile_kernel(
     k_ptrs = K + rn[:, None] * stride_kn + rk[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(q_ptrs, mask=mask_m[:, None], other=0.0)
-            b = tl.load(k_ptrs, mask=mask_n[:, None], other=0.0)
+        if EVEN_K and not MASK_MN:  # no tails anywhere in this launch: unmasked loads
+            a = tl.load(q_ptrs)
+            b = tl.load(k_ptrs)
         else:
             kmask = (k0 + rk) < D
             a = tl.load(q_ptrs, mask=mask_m[:, None] & kmask[None, :], other=0.0)
@@ -72,7 +97,6 @@ def _siglip_tile_kernel(
         k_ptrs += BLOCK_K
 
     u = acc * tl.load(SCALE) + tl.load(BIAS)
-    valid = mask_m[:, None] & mask_n[None, :]
     if HAS_IDS:
         qi = tl.load(QIDS + rm, mask=mask_m, other=0)
         ki = tl.load(KIDS + rn, mask=mask_n, other=0)
@@ -80,22 +104,32 @@ def _siglip_tile_kernel(
     else:
         # An out-of-range ``diagonal`` (the launcher passes N) means: no positives.
         pos = (rn[None, :] - rm[:, None]) == diagonal
-    # Stable in both tails with one exp: e = exp(-|u|) in (0, 1].
-    e = tl.exp(-tl.abs(u))
-    r = 1.0 / (1.0 + e)
-    nonneg = u >= 0
-    sig_u = tl.where(nonneg, r, e * r)  # sigmoid(u)
-    sig_neg_u = tl.where(nonneg, e * r, r)  # sigmoid(-u)
-    # G = sigmoid(u) - 1 = -sigmoid(-u) on positives (no cancellation for u >> 0).
-    g = tl.where(valid, tl.where(pos, -sig_neg_u, sig_u), 0.0)
-    # softplus(-z u) = max(-z u, 0) + log1p(e); log1p by its series where 1 + e would round.
-    zu = tl.where(pos, u, -u)
-    log1p_e = tl.where(e < 1e-2, e * (1.0 - e * (0.5 - e * (0.3333333333333333 - 0.25 * e))), tl.log(1.0 + e))
-    loss = tl.where(valid, tl.maximum(-zu, 0.0) + log1p_e, 0.0)
+    # With t = z*u (z = +1 on positives, -1 elsewhere): loss softplus(-t), gradient w.r.t. u
+    # G = -z * sigmoid(-t) (= sigmoid(u) - [z = +1], without cancellation for t >> 0).
+    # Stable in both tails with one exp: e = exp(-|t|) in (0, 1].
+    t = tl.where(pos, u, -u)
+    e = _exp2(-tl.abs(t) * 1.4426950408889634, FAST)
+    one_e = 1.0 + e
+    r = _rcp(one_e, FAST)
+    sig_neg_t = tl.where(t >= 0, e * r, r)
+    g = tl.where(pos, -sig_neg_t, sig_neg_t)
+    # softplus(-t) = max(-t, 0) + log1p(e); log1p by its series where 1 + e would round.
+    log1p_e = tl.where(
+        e < 1e-2, e * (1.0 - e * (0.5 - e * (0.3333333333333333 - 0.25 * e))), _log2(one_e, FAST) * 0.6931471805599453
+    )
+    loss = tl.maximum(-t, 0.0) + log1p_e
+    if MASK_MN:
+        valid = mask_m[:, None] & mask_n[None, :]
+        g = tl.where(valid, g, 0.0)
+        loss = tl.where(valid, loss, 0.0)
     tl.store(LOSS_PART + pid, tl.sum(tl.sum(loss, axis=1), axis=0))
     tl.store(GSUM_PART + pid, tl.sum(tl.sum(g, axis=1), axis=0))
     if WRITE_G:
-        tl.store(G + rm[:, None] * stride_gm + rn[None, :], g.to(G.dtype.element_ty), mask=valid)
+        g_ptrs = G + rm[:, None] * stride_gm + rn[None, :]
+        if MASK_MN:
+            tl.store(g_ptrs, g.to(G.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        else:
+            tl.store(g_ptrs, g.to(G.dtype.element_ty))
 
 
 # How ``acc += a @ b`` is done for half-precision a, b and an fp32 accumulator (decided on first use).
@@ -163,12 +197,16 @@ class TritonSigmoid:
     ``block``: kernel config ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, maxnreg])`` or
     ``None`` (``maxnreg`` caps registers per thread so that two programs share an SM and one's
     epilogue overlaps the other's matrix products; 0 = no cap).
+    ``fast_math``: on CUDA, exp2/reciprocal/log2 by single MUFU instructions (``*.approx.ftz``,
+    errors ~2^-22, far below bf16/tf32 input rounding) instead of libdevice; the interpreter
+    always uses the exact forms.
     """
 
     tile_rows: Optional[int] = None
     tile_cols: Optional[int] = None
     fp32_precision: str = "ieee"
     block: Optional[Tuple[int, ...]] = None
+    fast_math: bool = True
     name: str = "triton"
 
     def __post_init__(self) -> None:
@@ -260,7 +298,8 @@ class TritonSigmoid:
                     parts[0], parts[1], scale, bias,
                     tm, tn, d, diag,
                     q.stride(0), k.stride(0), tn,
-                    HAS_IDS=q_ids is not None, WRITE_G=write_g, EVEN_K=d % bk == 0, PRECISION=precision,
+                    HAS_IDS=q_ids is not None, WRITE_G=write_g, EVEN_K=d % bk == 0,
+                    MASK_MN=tm % bm != 0 or tn % bn != 0, PRECISION=precision, FAST=self.fast_math and q.is_cuda,
                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                     **launch_opts,
                 )
