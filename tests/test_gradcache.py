@@ -445,3 +445,14 @@ def test_cached_representations_do_not_pin_model_outputs():
     assert torch.equal(c, view) and c.untyped_storage().nbytes() == c.numel() * c.element_size()
     dense = torch.randn(6, 4)
     assert compact(dense).data_ptr() == dense.data_ptr()  # no copy when nothing is pinned
+
+
+def test_chunk_size_rule():
+    from bigbatch.gradcache.budget import ChunkCost, even_out
+
+    assert even_out(292, 512) == 292  # short chunk of 220 rows: keep full-size chunks
+    assert even_out(292, 2048) == 256  # a 4-row chunk would cost a whole chunk's overhead: equal chunks
+    assert even_out(292, 8192) == 283 and even_out(292, 292) == 292 and even_out(5, 3) == 5
+    cost = ChunkCost(fixed=100.0, per_row=10.0, act_per_row=5.0)
+    assert cost.largest_chunk(100 + 10 * 30, 1000) == 30
+    assert cost.largest_chunk(100 + 10 * 30, 20) == 20
