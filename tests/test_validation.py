@@ -84,3 +84,13 @@ def test_cpu_scalar_scale_tensor_is_accepted():
     s = torch.tensor(3.0, requires_grad=True)
     bigbatch.clip_loss(ok(), ok(), s).backward()
     assert s.grad is not None and torch.isfinite(s.grad)
+
+
+def test_auto_keeps_float64_on_torch_tiles_on_cuda():
+    """The fused kernels take half/single precision; "auto" must not hand them float64."""
+    from bigbatch.backends import resolve_backend, triton_available
+
+    cuda = torch.device("cuda")
+    assert isinstance(resolve_backend("auto", cuda, torch.float64), TorchTiles)
+    if triton_available():
+        assert resolve_backend("auto", cuda, torch.bfloat16).name == "triton"

@@ -1,8 +1,8 @@
 """The losses: validate the inputs, pick a backend, assemble the loss from tiled statistics.
 
-Every softmax loss is ``LSE - positive logit``: the LSE part comes from
-:class:`~bigbatch.tiled_lse.TiledLSE` (tiles, never a B x N tensor), the positive
-logits ``S_{i, y_i}`` from O(B*D) autograd ops here.
+Every softmax loss is ``LSE - positive logit``: both come from
+:func:`~bigbatch.tiled_lse.tiled_softmax_stats` (tiles, never a B x N tensor), and the
+loss is a weighted sum of those vectors, assembled here with plain torch ops.
 """
 
 from __future__ import annotations
@@ -23,12 +23,7 @@ from ._validate import (
     reduce,
 )
 from .backends import BackendArg, resolve_backend
-from .tiled_lse import tiled_lse
-
-
-def positive_logits(q: Tensor, k_pos: Tensor, scale: Tensor) -> Tensor:
-    """``scale * <q_i, k_pos_i>`` per row, in the compute dtype of ``scale``."""
-    return scale * (q.to(scale.dtype) * k_pos.to(scale.dtype)).sum(dim=-1)
+from .tiled_lse import tiled_softmax_stats
 
 
 def clip_loss(
@@ -57,15 +52,15 @@ def clip_loss(
     check_pair("image_features", image_features, "text_features", text_features, same_rows=group is None)
     group = check_group(group)
     s = prepare_scalar("scale", scale, image_features)
-    impl = resolve_backend(backend, image_features.device)
+    impl = resolve_backend(backend, image_features.device, image_features.dtype)
     if group is not None:
         from .distributed import ring_clip_loss
 
         return ring_clip_loss(image_features, text_features, s, group=group, backend=impl)
     if impl == "reference":
         return reference.clip_loss(image_features, text_features, s)
-    lse_row, lse_col = tiled_lse(image_features, text_features, s, impl, rows=True, cols=True)
-    pos = positive_logits(image_features, text_features, s)
+    diagonal = torch.arange(image_features.shape[0], device=image_features.device)
+    lse_row, lse_col, pos = tiled_softmax_stats(image_features, text_features, s, diagonal, impl, rows=True, cols=True)
     return 0.5 * (lse_row.mean() + lse_col.mean()) - pos.mean()
 
 
@@ -95,7 +90,7 @@ def infonce_loss(
     reduction = check_reduction(reduction)
     group = check_group(group)
     s = prepare_scalar("scale", scale, queries)
-    impl = resolve_backend(backend, queries.device)
+    impl = resolve_backend(backend, queries.device, queries.dtype)
     if group is not None:
         from .distributed import ring_infonce_loss
 
@@ -112,9 +107,8 @@ def infonce_loss(
         labels = check_labels(labels, b, n, queries.device)
     if impl == "reference":
         return reduce(reference.infonce_per_row(queries, keys, s, labels), reduction)
-    lse_row, _ = tiled_lse(queries, keys, s, impl, rows=True, cols=False)
-    per_row = lse_row - positive_logits(queries, keys.index_select(0, labels), s)
-    return reduce(per_row, reduction)
+    lse_row, _, pos = tiled_softmax_stats(queries, keys, s, labels, impl, rows=True, cols=False)
+    return reduce(lse_row - pos, reduction)
 
 
 def siglip_loss(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -43,8 +43,11 @@ def _make_triton():
     return TritonTiles()
 
 
-def resolve_backend(backend: BackendArg, device: torch.device) -> Union[str, TileBackend]:
-    """Turn the ``backend`` argument into ``"reference"`` or a tile backend usable on ``device``."""
+def resolve_backend(
+    backend: BackendArg, device: torch.device, dtype: Optional[torch.dtype] = None
+) -> Union[str, TileBackend]:
+    """Turn the ``backend`` argument into ``"reference"`` or a tile backend usable on ``device``
+    (and, when given, for features of ``dtype``: ``"auto"`` keeps float64 on the torch tiles)."""
     if not isinstance(backend, str):
         if isinstance(backend, TileBackend):
             if not backend.supports(device):
@@ -67,8 +70,9 @@ def resolve_backend(backend: BackendArg, device: torch.device) -> Union[str, Til
                 f"got tensors on {device}"
             )
         return impl
-    # auto: the fused kernels on a GPU when triton is there, the torch tiles otherwise.
-    if device.type == "cuda" and triton_available():
+    # auto: the fused kernels on a GPU when triton is there (they take half and single
+    # precision), the torch tiles otherwise.
+    if device.type == "cuda" and triton_available() and dtype != torch.float64:
         return _make_triton()
     return TorchTiles()
 

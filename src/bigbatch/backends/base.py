@@ -15,8 +15,11 @@ softmax loss in bigbatch is built from:
   ``dq = s * dS @ k``, ``dk = s * dS.T @ q`` and
   ``d_scale = sum_ij dS_ij (q k^T)_ij`` (which equals ``sum_i q_i . (dS @ k)_i``).
 
-The positive logits ``S_{i, y_i}`` are O(B*D) and are left to plain autograd in
-the caller. A backend knows nothing of ranks, labels or reductions.
+The positive logits ``S_{i, y_i}`` are O(B*D) and computed by the caller, but their
+gradient enters ``lse_grad`` (``pos_labels``, ``g_pos``): it is added to dS in the
+compute dtype *before* the products, because near convergence ``P_ii -> 1`` and the
+LSE and positive terms cancel; rounding each to a half dtype first would lose the
+difference. A backend knows nothing of ranks or reductions.
 
 Conventions shared by all backends:
 * ``scale`` is a 0-d tensor in the compute dtype on the features' device (no
@@ -65,9 +68,15 @@ class TileBackend(Protocol):
         g_row: Optional[Tensor],
         g_col: Optional[Tensor],
         *,
+        pos_labels: Optional[Tensor] = None,
+        g_pos: Optional[Tensor] = None,
         grad_dtype: Optional[torch.dtype] = None,
     ) -> Tuple[Tensor, Tensor, Tensor]:
         """``(dq, dk, d_scale)``.
+
+        With ``pos_labels`` (B,) int64 and ``g_pos`` (B,): ``dS[i, pos_labels[i]] += g_pos[i]``
+        (the gradient of ``sum_i g_pos_i S_{i, pos_labels_i}``); ``pos_labels[i] == -1`` means
+        row i has no positive among these keys.
 
         ``dq``/``dk`` are in ``grad_dtype`` (default: the inputs' dtype; the ring asks for the
         compute dtype to accumulate partials over key blocks); ``d_scale`` is a 0-d tensor in the

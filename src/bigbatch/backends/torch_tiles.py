@@ -42,6 +42,13 @@ def _blocks(total: int, size: int) -> Iterator[slice]:
         yield slice(start, min(start + size, total))
 
 
+def _add_positives(ds: Tensor, cols: Tensor, g: Tensor) -> None:
+    """``ds[r, cols[r]] += g[r]`` for the rows whose column falls inside the tile (no host sync)."""
+    hit = (cols >= 0) & (cols < ds.shape[1])
+    rows = torch.arange(ds.shape[0], device=ds.device)
+    ds.index_put_((rows, cols.clamp(0, ds.shape[1] - 1)), torch.where(hit, g, torch.zeros_like(g)), accumulate=True)
+
+
 @dataclass(frozen=True)
 class TorchTiles:
     """Tiled log-sum-exp statistics and gradients with ordinary torch ops.
@@ -84,20 +91,23 @@ class TorchTiles:
                     lse_col[cs] = torch.logaddexp(lse_col[cs], torch.logsumexp(s_tile, dim=0))
         return lse_row, lse_col
 
-    def lse_grad(self, q, k, scale, lse_row, lse_col, g_row, g_col, *, grad_dtype=None):
+    def lse_grad(
+        self, q, k, scale, lse_row, lse_col, g_row, g_col, *, pos_labels=None, g_pos=None, grad_dtype=None
+    ):
         ct = compute_dtype(q.dtype)
         grad_dtype = grad_dtype or q.dtype
         use_rows = lse_row is not None and g_row is not None
         use_cols = lse_col is not None and g_col is not None
+        pos = (pos_labels, g_pos.to(ct)) if pos_labels is not None and g_pos is not None else None
         dq = torch.zeros(q.shape, dtype=ct, device=q.device)
         dk = torch.zeros(k.shape, dtype=ct, device=k.device)
-        if use_rows or use_cols:
-            self._accumulate_grad(q, k, scale, lse_row, lse_col, g_row, g_col, dq, dk, use_rows, use_cols)
+        if use_rows or use_cols or pos is not None:
+            self._accumulate_grad(q, k, scale, lse_row, lse_col, g_row, g_col, pos, dq, dk, use_rows, use_cols)
         # d_scale = sum_i q_i . (dS @ k)_i, from the unscaled dq: O(B*D), no extra tile pass.
         d_scale = torch.dot(q.reshape(-1).to(ct), dq.reshape(-1))
         return dq.mul_(scale).to(grad_dtype), dk.mul_(scale).to(grad_dtype), d_scale
 
-    def _accumulate_grad(self, q, k, scale, lse_row, lse_col, g_row, g_col, dq, dk, use_rows, use_cols):
+    def _accumulate_grad(self, q, k, scale, lse_row, lse_col, g_row, g_col, pos, dq, dk, use_rows, use_cols):
         """dq += dS @ k and dk += dS.T @ q (unscaled), recomputing each tile once."""
         ct = dq.dtype
         tr, tc = self._tiles(q, k)
@@ -106,11 +116,13 @@ class TorchTiles:
             for cs in _blocks(k.shape[0], tc):
                 kj = k[cs].to(ct)
                 s_tile = torch.mm(qi, kj.t()).mul_(scale)
-                ds = None
+                ds = torch.zeros_like(s_tile) if not (use_rows or use_cols) else None
                 if use_rows:
                     ds = torch.exp(s_tile - lse_row[rs, None]).mul_(g_row[rs, None].to(ct))
                 if use_cols:
                     p_col = torch.exp(s_tile - lse_col[None, cs]).mul_(g_col[None, cs].to(ct))
                     ds = p_col if ds is None else ds.add_(p_col)
+                if pos is not None:
+                    _add_positives(ds, pos[0][rs] - cs.start, pos[1][rs])
                 dq[rs].addmm_(ds, kj)
                 dk[cs].addmm_(ds.t(), qi)

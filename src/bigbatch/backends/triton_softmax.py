@@ -219,17 +219,20 @@ class TritonTiles:
         return lse_row, lse_col
 
     # ------------------------------------------------------------------ backward
-    def lse_grad(self, q, k, scale, lse_row, lse_col, g_row, g_col, *, grad_dtype=None):
+    def lse_grad(
+        self, q, k, scale, lse_row, lse_col, g_row, g_col, *, pos_labels=None, g_pos=None, grad_dtype=None
+    ):
         self._check(q, k, scale)
         ct = compute_dtype(q.dtype)
         grad_dtype = grad_dtype or q.dtype
         b, n, d = q.shape[0], k.shape[0], q.shape[1]
         use_rows = lse_row is not None and g_row is not None
         use_cols = lse_col is not None and g_col is not None
+        use_pos = pos_labels is not None and g_pos is not None
         dq_acc = torch.zeros((b, d), dtype=torch.float32, device=q.device)
         dk = torch.empty((n, d), dtype=grad_dtype, device=k.device)
         d_scale = torch.zeros((), dtype=torch.float32, device=q.device)
-        if not (use_rows or use_cols) or b == 0 or n == 0:
+        if not (use_rows or use_cols or use_pos) or b == 0 or n == 0:
             dk.zero_()
             return dq_acc.to(grad_dtype), dk, d_scale.to(ct)
         q, k = q.contiguous(), k.contiguous()
@@ -239,6 +242,8 @@ class TritonTiles:
         g_row = g_row.to(**f32).contiguous() if use_rows else scale
         lse_col = lse_col.to(**f32).contiguous() if use_cols else scale
         g_col = g_col.to(**f32).contiguous() if use_cols else scale
+        pos_labels = pos_labels.to(device=q.device, dtype=torch.int64).contiguous() if use_pos else scale
+        g_pos = g_pos.to(**f32).contiguous() if use_pos else scale
 
         cfg = self._config(q.dtype, q.device)
         dot_dtype, precision = self._dot(q.dtype, q.device)
@@ -281,9 +286,10 @@ class TritonTiles:
                     qi, kj, scale,
                     lse_row[i0:] if use_rows else scale, lse_col[j0:] if use_cols else scale,
                     g_row[i0:] if use_rows else scale, g_col[j0:] if use_cols else scale,
-                    ws_ij, ws_t_ij, ni, nj, d, qi.stride(0), kj.stride(0), ws_ij.stride(0),
+                    pos_labels[i0:] if use_pos else scale, g_pos[i0:] if use_pos else scale,
+                    ws_ij, ws_t_ij, ni, nj, d, j0, qi.stride(0), kj.stride(0), ws_ij.stride(0),
                     ws_t_ij.stride(0) if kmajor else 0,
-                    HAS_ROW=use_rows, HAS_COL=use_cols,
+                    HAS_ROW=use_rows, HAS_COL=use_cols, HAS_POS=use_pos,
                     BLOCK_M=cfg.ds_block_m, BLOCK_N=cfg.ds_block_n, BLOCK_D=cfg.ds_block_d,
                     DOT_DTYPE=dot_dtype, PRECISION=precision, ONE_EXP=bool(cfg.ds_one_exp), WRITE_T=kmajor,
                     num_warps=cfg.ds_warps, num_stages=cfg.ds_stages,

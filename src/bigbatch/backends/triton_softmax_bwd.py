@@ -4,7 +4,9 @@ For a super-tile of ``TM`` query rows x ``TN`` key rows (``TM * TN`` <= 16 Mi el
 
 1. :func:`dlogits_kernel` recomputes ``S = scale * q_i @ k_j.T`` tile by tile (the same
    D-chunked dot as the forward) and writes
-   ``dS = g_row * exp(S - lse_row) + g_col * exp(S - lse_col)`` into a bounded workspace
+   ``dS = g_row * exp(S - lse_row) + g_col * exp(S - lse_col) + g_pos * [j == label_i]``
+   (the positive term folded in fp32 before rounding: it cancels the rest as P_ii -> 1)
+   into a bounded workspace
    (bf16 for half inputs: 32 MiB; fp32 for fp32 inputs: 64 MiB). FLOPs ``2*TM*TN*D``.
 2. :func:`matmul_acc_kernel` twice: ``dq_acc[i] += dS @ k_j`` and ``dk_acc[j] += dS.T @ q_i``,
    fp32 accumulators, operands on tensor cores. FLOPs ``4*TM*TN*D``.
@@ -24,16 +26,17 @@ from .triton_softmax_fwd import LOG2E, _tile_logits2
 
 @triton.jit
 def dlogits_kernel(
-    q_ptr, k_ptr, scale_ptr, lse_row_ptr, lse_col_ptr, g_row_ptr, g_col_ptr, ds_ptr, dst_ptr,
-    TM, TN, D, stride_q, stride_k, stride_ds, stride_dst,
-    HAS_ROW: tl.constexpr, HAS_COL: tl.constexpr,
+    q_ptr, k_ptr, scale_ptr, lse_row_ptr, lse_col_ptr, g_row_ptr, g_col_ptr, pos_ptr, g_pos_ptr, ds_ptr, dst_ptr,
+    TM, TN, D, COL_OFF, stride_q, stride_k, stride_ds, stride_dst,
+    HAS_ROW: tl.constexpr, HAS_COL: tl.constexpr, HAS_POS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     ONE_EXP: tl.constexpr, WRITE_T: tl.constexpr,
 ):
     """``ds[r, c]`` (and, with ``WRITE_T``, ``dst[c, r]``) for the ``TM x TN`` super-tile whose q, k,
-    lse and g pointers are offset to its first row / column. Entries outside ``TM x TN`` are not
-    written."""
+    lse, g and pos pointers are offset to its first row / column. ``pos`` holds each row's positive
+    key as an index into the whole key set (-1: none); ``COL_OFF`` is the super-tile's first key.
+    Entries outside ``TM x TN`` are not written."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -71,8 +74,14 @@ def dlogits_kernel(
             ds = p * g_r[:, None] + tl.exp2(s2 - lse_c[None, :]) * g_c[None, :]
     elif HAS_ROW:
         ds = tl.exp2(s2 - lse_r[:, None]) * g_r[:, None]
-    else:
+    elif HAS_COL:
         ds = tl.exp2(s2 - lse_c[None, :]) * g_c[None, :]
+    else:
+        ds = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_POS:
+        lab = tl.load(pos_ptr + rows, mask=rmask, other=-1) - COL_OFF
+        g_p = tl.load(g_pos_ptr + rows, mask=rmask, other=0.0)
+        ds += tl.where(lab[:, None] == cols[None, :], g_p[:, None], 0.0)
     mask = rmask[:, None] & cmask[None, :]
     out = ds.to(ds_ptr.dtype.element_ty)
     tl.store(ds_ptr + rows.to(tl.int64)[:, None] * stride_ds + cols[None, :], out, mask=mask)
