@@ -64,7 +64,10 @@ def cached_encode(
     """Encode ``inputs`` in chunks; the result's backward re-runs the chunks (gradient caching).
 
     Args:
-        model: the encoder (may be DDP-wrapped: gradients are all-reduced once, in the last chunk).
+        model: the encoder. May be DDP-wrapped: each call's backward all-reduces once (in its last
+            re-run chunk; earlier chunks run under ``no_sync``), so two calls in a step mean two
+            all-reduces -- exact in any backward order, because the gradients already averaged by
+            the first are identical on every rank and averaging is linear.
         inputs: tensor, mapping (dict, BatchEncoding), list or tuple with batch dimension 0.
         chunk_size: rows per chunk; ``None`` picks the largest chunk whose forward + backward fits
             ``memory_budget`` (CUDA default: 90% of free memory; on CPU one of the two is required).
