@@ -158,6 +158,56 @@ def _check_infonce(rank, world, group, q_sizes, k_sizes, d, backend, seed, reduc
         assert err <= tol, f"{what}: grad {name} rel err {err:.2e} > {tol:.0e}"
 
 
+def _check_near_convergence(rank, world, group, sizes, backend, loss_name, tol=2e-2):
+    """bf16 features with P_ii ~ 0.985: the LSE and positive gradients nearly cancel, so the
+    positive term must join dS in fp32 inside the backend, also for blocks that travel."""
+    import math
+
+    import bigbatch
+    from bigbatch import reference
+
+    total, d = sum(sizes), 32
+    g = torch.Generator().manual_seed(3)
+    q = torch.nn.functional.normalize(torch.randn(total, d, generator=g, dtype=torch.float64), dim=1)
+    k = torch.nn.functional.normalize(q + 0.05 * torch.randn(total, d, generator=g, dtype=torch.float64), dim=1)
+    q, k = q.to(torch.bfloat16).double(), k.to(torch.bfloat16).double()  # the same values in both
+    q64, k64 = q.clone().requires_grad_(), k.clone().requires_grad_()
+    s64 = torch.tensor(11.0, dtype=torch.float64, requires_grad=True)
+    labels = (torch.arange(total) * 7) % total if loss_name == "infonce" else None  # positives off-rank too
+    kp = k64 if labels is None else k64.index_select(0, torch.argsort(labels))  # key labels[i] is q_i's pair
+    if loss_name == "clip":
+        ref = reference.clip_loss(q64, k64, s64)
+    else:
+        ref = reference.infonce_loss(q64, kp, s64, labels=labels)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, s64))
+    p_pos = math.exp(-ref.item())
+    assert 0.98 < p_pos < 0.9995, f"not near convergence: mean positive probability {p_pos:.4f}"
+
+    sl = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    ql = q[sl].to(torch.bfloat16).requires_grad_()
+    kfull = k.to(torch.bfloat16) if labels is None else k.index_select(0, torch.argsort(labels)).to(torch.bfloat16)
+    kl = kfull[sl].detach().requires_grad_()
+    s = torch.tensor(11.0, requires_grad=True)
+    if loss_name == "clip":
+        loss = bigbatch.clip_loss(ql, kl, s, group=group, backend=_backend(backend))
+    else:
+        loss = bigbatch.infonce_loss(ql, kl, s, labels=labels[sl], group=group, backend=_backend(backend))
+    loss.backward()
+    # key gradients: rank r holds rows sl of the (permuted) key set
+    dk_ref = ref_grads[1] if labels is None else ref_grads[1].index_select(0, torch.argsort(labels))
+    sq = torch.tensor([((ql.grad.double() / world - ref_grads[0][sl]) ** 2).sum(), (ref_grads[0][sl] ** 2).sum(),
+                       ((kl.grad.double() / world - dk_ref[sl]) ** 2).sum(), (dk_ref[sl] ** 2).sum()],
+                      dtype=torch.float64)
+    dist.all_reduce(sq, group=group)
+    ds = s.grad.detach().double().clone()
+    dist.all_reduce(ds, group=group)
+    what = f"near convergence {loss_name} backend={backend}"
+    assert (sq[0] / sq[1]).sqrt() <= tol, f"{what}: dq rel err {(sq[0] / sq[1]).sqrt():.2e}"
+    assert (sq[2] / sq[3]).sqrt() <= tol, f"{what}: dk rel err {(sq[2] / sq[3]).sqrt():.2e}"
+    err_s = abs(ds.item() / world - ref_grads[2].item()) / abs(ref_grads[2].item())
+    assert err_s <= tol, f"{what}: d(scale) rel err {err_s:.2e}"
+
+
 def _expect_error(fn, *needles):
     try:
         fn()
@@ -260,6 +310,10 @@ def _two_ranks(rank, world, triton_ok):
                    tol=1e-10, with_labels=False)
     _errors(rank, world)
     _random_shapes(rank, world)
+    for loss_name in ("clip", "infonce"):
+        _check_near_convergence(rank, world, group, [50, 46], "torch_small_tiles", loss_name)
+        if triton_ok:
+            _check_near_convergence(rank, world, group, [50, 46], "triton", loss_name)
     return True
 
 

@@ -88,9 +88,11 @@ def _plan(ring: Ring, table: dict, q: Tensor, labels: Optional[Tensor], *, cols:
     k_sizes = [int(v) for v in table["k_rows"]]
     if cols:  # CLIP: every positive is in this rank's own block, no sync needed
         pos = own_positives(q.shape[0], ring.rank, chunk, q.device)
+        start = sum(k_sizes[: ring.rank])
+        labels = torch.arange(start, start + q.shape[0], device=q.device)
     else:
         pos = positive_index(labels, k_sizes, chunk)
-    return RingPlan(ring, q_sizes, k_sizes, cols, chunk, pos)
+    return RingPlan(ring, q_sizes, k_sizes, cols, chunk, pos, labels.long())
 
 
 def ring_clip_loss(

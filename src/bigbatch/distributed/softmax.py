@@ -66,6 +66,11 @@ class RingPlan:
     # pos[(j, i)] = (local query rows, their positive key's index inside chunk i of block j)
     # for every chunk that some label of this rank points into.
     pos: Dict[Tuple[int, int], Tuple[Tensor, Tensor]]
+    labels: Tensor  # (b,) int64: each local query's positive in the GLOBAL key set
+
+    def key_start(self, j: int) -> int:
+        """Global index of key block ``j``'s first row."""
+        return sum(self.k_sizes[:j])
 
     def key_chunks(self, j: int) -> List[slice]:
         """The column chunks of key block ``j`` (same on every rank)."""
@@ -161,6 +166,7 @@ class RingSoftmax(torch.autograd.Function):
                 pend_static = ring.shift(static, bufs)
             kb = static[0]
             lcb, gcb = (static[1], static[2]) if cols else (None, None)
+            rel = plan.labels - plan.key_start(j)  # positives' index in block j (any value)
             acc: List[Optional[Tensor]] = []
             for i in range(max(len(chunks), len(acc_out))):
                 # chunk i of the previous block's accumulator -> next; chunk i of this block's <- prev
@@ -170,22 +176,22 @@ class RingSoftmax(torch.autograd.Function):
                 dk_cs: Optional[Tensor] = None
                 if i < len(chunks):
                     cs = chunks[i]
+                    has_pos = (j, i) in plan.pos
                     for rs in row_chunks:
+                        pos_kw = {}
+                        if has_pos:
+                            # The positive term joins dS inside the backend, in fp32, BEFORE dS is
+                            # rounded and multiplied: near convergence it cancels the LSE term.
+                            x = rel[rs] - cs.start
+                            hit = (x >= 0) & (x < cs.stop - cs.start)
+                            pos_kw = {"pos_labels": torch.where(hit, x, torch.full_like(x, -1)), "g_pos": g_pos[rs]}
                         dq_c, dk_c, ds_c = backend.lse_grad(
                             q[rs], kb[cs], scale, lse_row[rs], lcb[cs] if cols else None,
-                            g_row[rs], gcb[cs] if cols else None, grad_dtype=ct,
+                            g_row[rs], gcb[cs] if cols else None, grad_dtype=ct, **pos_kw,
                         )
                         dq[rs] += dq_c
                         d_scale += ds_c
                         dk_cs = dk_c if dk_cs is None else dk_cs.add_(dk_c)
-                    if (j, i) in plan.pos:  # positive logits pos_r = s * q_r . k_c
-                        rows, idx = plan.pos[(j, i)]
-                        qs, ks, dots = _dots(q, kb[cs], rows, idx, ct)
-                        gp = g_pos.index_select(0, rows)
-                        coef = (gp * scale)[:, None]
-                        dq.index_add_(0, rows, coef * ks)
-                        dk_cs.index_add_(0, idx, coef * qs)
-                        d_scale += (gp * dots).sum()
                 got = pending.wait() if pending is not None else []
                 if send:
                     acc_out[i] = None  # sent: release it
