@@ -23,6 +23,14 @@ def _grads(loss, tensors):
     return torch.autograd.grad(loss, tensors)
 
 
+def _assert_loss(loss, ref, scale: float, rows: int, tol: float = 2e-5):
+    """Relative error <= tol, or an absolute error at fp32 rounding of the logits: the loss is
+    ``lse - positive logit`` and a loss far below ulp(logit) (~1e-7 * scale) cannot be relatively exact
+    in fp32 (the gradients, built from the probabilities, are unaffected and checked relatively)."""
+    err = (loss.double() - ref.double()).abs().max().item()
+    assert err <= tol * ref.double().abs().max().item() + 1e-6 * scale * rows, f"loss: abs error {err:.3e}"
+
+
 def _clip_ref64(q, k, scale):
     q64 = q.detach().double().requires_grad_()
     k64 = k.detach().double().requires_grad_()
@@ -60,7 +68,7 @@ def test_clip_tiles_property(b, d, tile_rows, tile_cols, scale, seed):
     loss = bigbatch.clip_loss(q, k, s, backend=TorchTiles(tile_rows=tile_rows, tile_cols=tile_cols))
     dq, dk, ds = _grads(loss, (q, k, s))
     ref = _clip_ref64(q, k, scale)
-    assert_rel(loss, ref[0], 2e-5, "loss")
+    _assert_loss(loss, ref[0], scale, 1)
     assert_rel(dq, ref[1], 2e-4, "dq")
     assert_rel(dk, ref[2], 2e-4, "dk")
     assert_rel(ds, ref[3], 2e-4, "dscale")
@@ -92,7 +100,7 @@ def test_infonce_property(b, extra, d, tile, reduction, seed):
     ref_out = (ref * weights).sum() if weights is not None else ref
     rq, rk, rs = _grads(ref_out, (q64, k64, s64))
     assert loss.shape == ref.shape
-    assert_rel(loss, ref, 2e-5, "loss")
+    _assert_loss(loss, ref, 9.0, b if reduction == "sum" else 1)
     assert_rel(dq, rq, 2e-4, "dq")
     assert_rel(dk, rk, 2e-4, "dk")
     assert_rel(ds, rs, 2e-4, "dscale")
