@@ -20,7 +20,9 @@ Backward (``world`` steps): key blocks travel again with what their columns need
 block travels one step behind its keys, CHUNK BY CHUNK: a block is split into column chunks of
 ``plan.chunk`` keys, each backend call covers (row chunk x column chunk), and while chunk ``i``
 of the visiting block is computed, chunk ``i`` of the previous block's accumulator leaves and
-chunk ``i`` of this block's arrives (then the partial is added to it). Extra memory per rank
+chunk ``i`` of this block's arrives (then the partial is added to it). The positive logits'
+gradient goes into ``lse_grad`` (``pos_labels``/``g_pos``) for the chunk holding each
+positive, so it joins dS in fp32 before dS is rounded (it cancels the LSE term near convergence). Extra memory per rank
 (fp32 unless said): ``dq`` (b x D) + about one block's ``dk`` accumulator (n x D; chunks leave
 as others arrive) + one incoming key block (input dtype) + one backend call's outputs and
 workspace (2 chunks x D) -- O((b + n) * D), independent of the world size.
