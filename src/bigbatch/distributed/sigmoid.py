@@ -7,7 +7,7 @@ runs one backend pass of its images against the visiting block, which yields the
 is added to the partial ``dk`` received from the previous rank and sent on with the block, so
 after ``world`` steps each block's complete ``dk`` arrives back at its owner. Everything is
 done in the forward pass (no global statistic is needed); the backward only scales the kept
-gradients. Per rank: two text blocks, three fp32 ``dk``-sized buffers and ``dq``, whatever
+gradients. Per rank: two text blocks, two fp32 ``dk``-sized buffers and ``dq``, whatever
 the number of ranks (OpenCLIP's neighbour exchange keeps every step's logits for autograd).
 
 Value and gradients (OpenCLIP's convention, correct also for uneven shards): rank r returns
@@ -51,11 +51,12 @@ def _ring_pass(
     ct = compute_dtype(q.dtype)
     world, b, d = ring.world, q.shape[0], q.shape[1]
     bmax = max(sizes)
+    # Two text blocks (the one computed on and sent, the one arriving) and two fp32 dk blocks
+    # (the partial accumulated and sent on, the next one arriving): 2*bmax*D*(itemsize + 4) bytes.
     k_bufs = [k.new_empty((bmax, d)) for _ in range(2)] if world > 1 else []
     id_bufs = [ids.new_empty((bmax,)) for _ in range(2)] if (world > 1 and ids is not None) else []
     dq = torch.zeros((b, d), dtype=ct, device=q.device) if (with_grad and with_dq) else None
-    dk_work = [torch.empty((bmax, d), dtype=ct, device=q.device) for _ in range(2)] if with_grad else []
-    dk_in = torch.empty((bmax, d), dtype=ct, device=q.device) if with_grad else None
+    dk_bufs = [torch.empty((bmax, d), dtype=ct, device=q.device) for _ in range(2)] if with_grad else []
     loss = torch.zeros((), dtype=ct, device=q.device)
     g_sum = torch.zeros((), dtype=ct, device=q.device)
     k_cur, ids_cur = k, ids
@@ -73,7 +74,16 @@ def _ring_pass(
             k_pending = ring.shift(send, recv)
         dk_loc = None
         if with_grad:
-            dk_loc = dk_work[t % 2][:n].zero_()
+            if dk_pending is None:
+                dk_loc = dk_bufs[0][:n].zero_()
+            else:
+                # The partial dk of block ``src`` from ranks src .. rank-1 (sent by prev after its
+                # step t-1); our contribution is added in place. Waiting here costs one dk transfer
+                # per step, small next to the step's b*n*D compute.
+                dk_loc = dk_pending.wait()[0]
+        acc = dk_loc
+        if dk_weight is not None:
+            acc = torch.zeros_like(dk_loc)
         step_loss, step_g = backend.sigmoid_pass(
             q,
             k_cur,
@@ -83,25 +93,23 @@ def _ring_pass(
             k_ids=ids_cur,
             diagonal=0 if src == ring.rank else None,
             dq_acc=dq,
-            dk_acc=dk_loc,
+            dk_acc=acc,
         )
         loss += step_loss
         g_sum += step_g
         if with_grad:
             if dk_weight is not None:
-                dk_loc.mul_(dk_weight)
-            if dk_pending is not None:
-                # The partial dk of block ``src`` from ranks src .. rank-1 (sent by prev after its step t-1).
-                dk_loc.add_(dk_pending.wait()[0])
+                dk_loc.add_(acc.mul_(dk_weight))
             # Send it on: prev's step-t block is ours at t+1; after step world-1 it reaches its owner.
-            dk_pending = ring.shift([dk_loc], [dk_in[: sizes[ring.block_at(t + 1)]]])
+            # The receive buffer is the one whose send (posted at step t-1) completed in the wait above.
+            dk_pending = ring.shift([dk_loc], [dk_bufs[(t + 1) % 2][: sizes[ring.block_at(t + 1)]]])
         if k_pending is not None:
             recv = k_pending.wait()
             k_cur = recv[0]
             ids_cur = recv[1] if ids is not None else None
     dk = None
     if with_grad:
-        dk = dk_pending.wait()[0].clone()  # our own block's dk, complete
+        dk = dk_pending.wait()[0]  # our own block's dk, complete (a view of one ring buffer)
     return loss, dq, dk, g_sum
 
 
