@@ -187,8 +187,6 @@ class _NeighbourExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        import torch.distributed as dist
-
         ctx.group = group
         out = torch.empty_like(x)
         _exchange(x, out, to_next=True, group=group)
