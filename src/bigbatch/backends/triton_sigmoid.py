@@ -197,7 +197,7 @@ class TritonSigmoid:
     ``block``: kernel config ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, maxnreg])`` or
     ``None`` (``maxnreg`` caps registers per thread so that two programs share an SM and one's
     epilogue overlaps the other's matrix products; 0 = no cap).
-    ``fast_math``: on CUDA, exp2/reciprocal/log2 by single MUFU instructions (``*.approx.ftz``,
+    ``fast_math``: on NVIDIA GPUs (PTX inline assembly; ignored on ROCm), exp2/reciprocal/log2 by single MUFU instructions (``*.approx.ftz``,
     errors ~2^-22, far below bf16/tf32 input rounding) instead of libdevice; the interpreter
     always uses the exact forms.
     """
@@ -299,7 +299,7 @@ class TritonSigmoid:
                     tm, tn, d, diag,
                     q.stride(0), k.stride(0), tn,
                     HAS_IDS=q_ids is not None, WRITE_G=write_g, EVEN_K=d % bk == 0,
-                    MASK_MN=tm % bm != 0 or tn % bn != 0, PRECISION=precision, FAST=self.fast_math and q.is_cuda,
+                    MASK_MN=tm % bm != 0 or tn % bn != 0, PRECISION=precision, FAST=self.fast_math and q.is_cuda and torch.version.hip is None,
                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                     **launch_opts,
                 )
