@@ -249,6 +249,9 @@ def _errors(rank, world):
     # reference on one rank, ring on the other (different collectives)
     be = "reference" if rank == 0 else "torch"
     _expect_error(lambda: bigbatch.clip_loss(f(3, 4), f(3, 4), 1.0, group=group, backend=be), "path")
+    # gradients wanted on one rank only: its backward would wait forever for the others
+    x = f(3, 4).requires_grad_(rank == 0)
+    _expect_error(lambda: bigbatch.clip_loss(x, f(3, 4), 1.0, group=group, backend="torch"), "needs_backward")
     # after all those errors the group still works
     out = bigbatch.clip_loss(f(3, 4), f(3, 4), 1.0, group=group, backend="torch")
     assert torch.isfinite(out)

@@ -57,6 +57,9 @@ def _agree(ring: Ring, q: Tensor, k: Tensor, scale: Tensor, *, kind: str, reduct
         "kind": _KIND[kind],
         "reduction": _REDUCTION[reduction],
         "path": 0.0 if isinstance(path, str) else 1.0,  # gather vs ring: different collectives
+        # the backward is a collective too: every rank runs it or none does (else: a hang)
+        "needs_backward": 1.0 if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                                or scale.requires_grad)) else 0.0,
         "dim": float(q.shape[1]),
         "dtype": float(dtype_code(q.dtype)),
         "scale": float(scale.detach()),
@@ -70,7 +73,7 @@ def _agree(ring: Ring, q: Tensor, k: Tensor, scale: Tensor, *, kind: str, reduct
         ring,
         q.device,
         fields,
-        same=("kind", "reduction", "path", "dim", "dtype", "scale"),
+        same=("kind", "reduction", "path", "needs_backward", "dim", "dtype", "scale"),
         local_error=local_error,
         what=f"{kind}_loss(group=...)",
     )
