@@ -7,7 +7,7 @@ Everything that talks to other ranks lives here; the loss Functions
   and receives from ``prev`` (group ranks mapped to global ranks, so any group
   works, not only WORLD). Raises ``ValueError`` if this process is not a member.
 * :meth:`Ring.shift` -- post a batched ``isend`` of some tensors to ``next`` and
-  ``irecv`` of as many tensors from ``prev`` (one ``batch_isend_irecv`` call);
+  ``irecv`` of some tensors from ``prev`` (one ``batch_isend_irecv`` call);
   returns a :class:`Pending` whose ``wait()`` must be called before the received
   tensors are read or the sent ones are overwritten or freed. Compute issued
   between ``shift`` and ``wait`` overlaps the transfer (NCCL runs it on its own
