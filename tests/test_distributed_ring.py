@@ -368,3 +368,22 @@ def test_ring_three_ranks_and_subgroup():
 @pytest.mark.skipif(HAS_TRITON_BACKEND, reason="the triton backend exists: covered by the tests above")
 def test_triton_backend_pending():
     pytest.skip("bigbatch.backends.triton_softmax does not exist yet: the ring's triton checks are not run")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_ring_nccl_two_gpus(tmp_path):
+    """NCCL + the GPU backend: the benchmark's float64 checks (bf16/fp32, uneven shards) must pass."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "ring.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "bigbatch.bench.ring",
+           "--batches", "16384", "--peers", "ring", "--check-batch", "8192", "--repeat", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    bad = [c for c in payload["checks"] if not c["ok"]]
+    assert not bad, f"checks beyond tolerance: {bad}"
+    assert payload["rows"][0]["status"] == "ok"
