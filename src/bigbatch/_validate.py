@@ -74,16 +74,24 @@ def prepare_scalar(name: str, value: object, like: Tensor) -> Tensor:
     return value.reshape(()).to(device=like.device, dtype=ct)
 
 
+def check_int_vector(x: object, b: int, device: torch.device, *, name: str, meaning: str, what: str) -> Tensor:
+    """An integer tensor of shape (b,) on ``device``; ``what`` names the elements, ``meaning`` their role."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of integer {what}, got {type(x).__name__}")
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise TypeError(f"{name} must have an integer dtype (e.g. torch.long), got {x.dtype}")
+    if x.shape != (b,):
+        raise ValueError(f"{name} must have shape ({b},) ({meaning}), got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} must be on the features' device {device}, got {x.device}")
+    return x
+
+
 def check_labels(labels: object, b: int, n: int, device: torch.device, *, name: str = "labels") -> Tensor:
     """Integer tensor of shape (b,) with values in [0, n). Reading the range costs one sync."""
-    if not isinstance(labels, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of integer class indices, got {type(labels).__name__}")
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise TypeError(f"{name} must have an integer dtype (e.g. torch.long), got {labels.dtype}")
-    if labels.shape != (b,):
-        raise ValueError(f"{name} must have shape ({b},) (one positive key per query), got {tuple(labels.shape)}")
-    if labels.device != device:
-        raise ValueError(f"{name} must be on the features' device {device}, got {labels.device}")
+    labels = check_int_vector(
+        labels, b, device, name=name, meaning="one positive key per query", what="class indices"
+    )
     lo, hi = int(labels.min()), int(labels.max())
     if lo < 0 or hi >= n:
         raise ValueError(f"{name} must index keys in [0, {n}), got values in [{lo}, {hi}]")

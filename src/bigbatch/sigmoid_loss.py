@@ -16,6 +16,7 @@ from torch import Tensor
 from .backends import BACKEND_NAMES, triton_available
 from .backends.base import SigmoidBackend, compute_dtype
 from .backends.torch_sigmoid import TorchSigmoid
+from ._validate import check_int_vector
 
 SigmoidBackendArg = Union[str, SigmoidBackend]
 
@@ -121,10 +122,5 @@ def check_class_ids(labels: object, b: int, device: torch.device, *, name: str =
         return None
     if not isinstance(labels, Tensor):
         raise TypeError(f"{name} must be None or a torch.Tensor of integer class ids, got {type(labels).__name__}")
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise TypeError(f"{name} must have an integer dtype (e.g. torch.long), got {labels.dtype}")
-    if labels.shape != (b,):
-        raise ValueError(f"{name} must have shape ({b},) (one class id per image/text pair), got {tuple(labels.shape)}")
-    if labels.device != device:
-        raise ValueError(f"{name} must be on the features' device {device}, got {labels.device}")
+    labels = check_int_vector(labels, b, device, name=name, meaning="one class id per image/text pair", what="class ids")
     return labels.long().contiguous()

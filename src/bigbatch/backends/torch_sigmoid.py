@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .base import compute_dtype
+from .torch_tiles import check_tile_sizes
 
 # Workspace budget (bytes) of one step: ~4 tiles of logits-sized temporaries in the compute dtype.
 _AUTO_WORKSPACE_BYTES = {"cuda": 1 << 30, "cpu": 16 << 20}
@@ -79,10 +80,7 @@ class TorchSigmoid:
     name: str = "torch"
 
     def __post_init__(self) -> None:
-        for arg in ("tile_rows", "tile_cols"):
-            value = getattr(self, arg)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"TorchSigmoid: {arg} must be a positive int or None, got {value!r}")
+        check_tile_sizes(self)
 
     def supports(self, device: torch.device) -> bool:
         return True

@@ -42,6 +42,14 @@ def _blocks(total: int, size: int) -> Iterator[slice]:
         yield slice(start, min(start + size, total))
 
 
+def check_tile_sizes(backend: object) -> None:
+    """``tile_rows`` / ``tile_cols`` of a tile backend: positive ints or None."""
+    for arg in ("tile_rows", "tile_cols"):
+        value = getattr(backend, arg)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{type(backend).__name__}: {arg} must be a positive int or None, got {value!r}")
+
+
 def _add_positives(ds: Tensor, cols: Tensor, g: Tensor) -> None:
     """``ds[r, cols[r]] += g[r]`` for the rows whose column falls inside the tile (no host sync)."""
     hit = (cols >= 0) & (cols < ds.shape[1])
@@ -62,10 +70,7 @@ class TorchTiles:
     name: str = "torch"
 
     def __post_init__(self) -> None:
-        for arg in ("tile_rows", "tile_cols"):
-            value = getattr(self, arg)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"TorchTiles: {arg} must be a positive int or None, got {value!r}")
+        check_tile_sizes(self)
 
     def supports(self, device: torch.device) -> bool:
         return True
