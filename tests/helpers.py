@@ -21,6 +21,16 @@ def assert_rel(x: Tensor, ref: Tensor, tol: float, what: str = "value") -> None:
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
 
 
+def assert_close(x: Tensor, ref: Tensor, tol: float, floor: float, what: str = "value") -> None:
+    """``||x - ref|| <= tol * ||ref|| + floor``: relative, with an absolute floor for results that
+    cancel far below the size of their terms (fp32 rounding is relative to the terms, not the sum)."""
+    assert x.shape == ref.shape, f"{what}: shape {tuple(x.shape)} != reference {tuple(ref.shape)}"
+    assert torch.isfinite(x).all(), f"{what}: non-finite entries"
+    err = (x.detach().double().cpu() - ref.detach().double().cpu()).norm().item()
+    bound = tol * ref.detach().double().norm().item() + floor
+    assert err <= bound, f"{what}: error {err:.3e} > {tol:.1e} * |ref| + {floor:.1e} = {bound:.3e}"
+
+
 def features(b: int, d: int, *, dtype=torch.float32, device="cpu", seed: int = 0, normalize: bool = True) -> Tensor:
     """Random (b, d) features (unit rows when ``normalize``), leaf tensor requiring grad."""
     g = torch.Generator().manual_seed(seed)

@@ -13,7 +13,7 @@ import bigbatch
 from bigbatch import reference
 from bigbatch.backends import TorchTiles
 
-from helpers import assert_rel, features, rel_err
+from helpers import assert_close, assert_rel, features, rel_err
 
 BACKENDS = ["reference", "torch", TorchTiles(tile_rows=7, tile_cols=5)]
 BACKEND_IDS = ["reference", "torch-auto-tile", "torch-7x5"]
@@ -69,9 +69,11 @@ def test_clip_tiles_property(b, d, tile_rows, tile_cols, scale, seed):
     dq, dk, ds = _grads(loss, (q, k, s))
     ref = _clip_ref64(q, k, scale)
     _assert_loss(loss, ref[0], scale, 1)
-    assert_rel(dq, ref[1], 2e-4, "dq")
-    assert_rel(dk, ref[2], 2e-4, "dk")
-    assert_rel(ds, ref[3], 2e-4, "dscale")
+    # Floors at fp32 rounding of unit-feature logits (~1e-7 * scale per term).
+    floor = 1e-6 * max(1.0, scale)
+    assert_close(dq, ref[1], 2e-4, floor, "dq")
+    assert_close(dk, ref[2], 2e-4, floor, "dk")
+    assert_close(ds, ref[3], 2e-4, floor, "dscale")
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -101,9 +103,10 @@ def test_infonce_property(b, extra, d, tile, reduction, seed):
     rq, rk, rs = _grads(ref_out, (q64, k64, s64))
     assert loss.shape == ref.shape
     _assert_loss(loss, ref, 9.0, b if reduction == "sum" else 1)
-    assert_rel(dq, rq, 2e-4, "dq")
-    assert_rel(dk, rk, 2e-4, "dk")
-    assert_rel(ds, rs, 2e-4, "dscale")
+    floor = 1e-5 * (b if reduction != "mean" else 1)
+    assert_close(dq, rq, 2e-4, floor, "dq")
+    assert_close(dk, rk, 2e-4, floor, "dk")
+    assert_close(ds, rs, 2e-4, floor, "dscale")
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
