@@ -49,10 +49,17 @@ def clip_loss(
         The scalar loss in float32 (float64 for float64 inputs). Both directions' statistics come
         from one pass over the tiles; memory beyond the inputs is O(B) plus one tile.
     """
-    check_pair("image_features", image_features, "text_features", text_features, same_rows=group is None)
     group = check_group(group)
-    s = prepare_scalar("scale", scale, image_features)
-    impl = resolve_backend(backend, image_features.device, image_features.dtype)
+    try:
+        check_pair("image_features", image_features, "text_features", text_features, same_rows=group is None)
+        s = prepare_scalar("scale", scale, image_features)
+        impl = resolve_backend(backend, image_features.device, image_features.dtype)
+    except (TypeError, ValueError) as exc:
+        if group is None:
+            raise
+        from .distributed import raise_on_every_rank
+
+        raise_on_every_rank(group, "clip", exc)
     if group is not None:
         from .distributed import ring_clip_loss
 
@@ -86,11 +93,18 @@ def infonce_loss(
         group: ``None`` or a process group (each rank holds a shard of queries and keys).
         backend: ``"auto"``, ``"reference"``, ``"torch"``, ``"triton"`` or a backend object.
     """
-    check_pair("queries", queries, "keys", keys, same_rows=False)
-    reduction = check_reduction(reduction)
     group = check_group(group)
-    s = prepare_scalar("scale", scale, queries)
-    impl = resolve_backend(backend, queries.device, queries.dtype)
+    try:
+        check_pair("queries", queries, "keys", keys, same_rows=False)
+        reduction = check_reduction(reduction)
+        s = prepare_scalar("scale", scale, queries)
+        impl = resolve_backend(backend, queries.device, queries.dtype)
+    except (TypeError, ValueError) as exc:
+        if group is None:
+            raise
+        from .distributed import raise_on_every_rank
+
+        raise_on_every_rank(group, "infonce", exc)
     if group is not None:
         from .distributed import ring_infonce_loss
 

@@ -10,7 +10,7 @@ See ``docs/ring.md`` for the design and its cost model.
 """
 
 from .gather import gather_with_grad
-from .losses import ring_clip_loss, ring_infonce_loss
+from .losses import raise_on_every_rank, ring_clip_loss, ring_infonce_loss
 from .ring import Pending, Ring, agree, dtype_code, offsets
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "dtype_code",
     "gather_with_grad",
     "offsets",
+    "raise_on_every_rank",
     "ring_clip_loss",
     "ring_infonce_loss",
 ]

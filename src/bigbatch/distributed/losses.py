@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -51,6 +52,28 @@ def _local_label_error(labels: Optional[Tensor], b: int, n: int, device: torch.d
     return None, float(lo), float(hi)
 
 
+# What every rank contributes to the one metadata all_gather of a call (see :func:`_agree`).
+_FIELDS = ("kind", "reduction", "path", "needs_backward", "dim", "dtype", "scale",
+           "q_rows", "k_rows", "has_labels", "label_min", "label_max")
+
+
+def raise_on_every_rank(group, kind: str, exc: Exception) -> None:
+    """Re-raise ``exc`` (this rank's invalid input, found before the ring) after joining the
+    metadata exchange that the other ranks' ``{kind}_loss(group=...)`` calls are waiting in, so that
+    they raise a ``ValueError`` naming this rank's problem instead of hanging."""
+    ring = Ring.of(group)
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    try:
+        agree(ring, device, dict.fromkeys(_FIELDS, 0.0), local_error=f"{type(exc).__name__}: {exc}",
+              what=f"{kind}_loss(group=...)")
+    except ValueError:
+        pass  # the collective's error names every failing rank; this rank raises its own below
+    raise exc
+
+
 def _agree(ring: Ring, q: Tensor, k: Tensor, scale: Tensor, *, kind: str, reduction: str,
            path: Backend, local_error: Optional[str], lo: float, hi: float, has_labels: bool) -> dict:
     fields = {
@@ -69,6 +92,7 @@ def _agree(ring: Ring, q: Tensor, k: Tensor, scale: Tensor, *, kind: str, reduct
         "label_min": lo,
         "label_max": hi,
     }
+    assert tuple(fields) == _FIELDS, "keep raise_on_every_rank's fields in step with this exchange"
     table = agree(
         ring,
         q.device,

@@ -1,0 +1,63 @@
+"""Input that is invalid on ONE rank only (caught by the local checks before the ring) raises on
+EVERY rank of the group instead of leaving the healthy ranks waiting in the ring's collectives."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import bigbatch
+
+from distributed_harness import run_gloo
+
+# (loss, what rank 1 passes wrongly, expected exception type on rank 1)
+CASES = [
+    ("clip", "text_dim", ValueError),
+    ("clip", "not_a_tensor", TypeError),
+    ("clip", "backend", ValueError),
+    ("clip", "scale_shape", ValueError),
+    ("infonce", "reduction", ValueError),
+    ("infonce", "int_features", TypeError),
+]
+
+
+def _call(rank: int, loss: str, bad: str):
+    torch.manual_seed(rank)
+    q, k = torch.randn(5 + rank, 4), torch.randn(5 + rank, 4)
+    scale, kwargs = torch.tensor(3.0), {"group": dist.group.WORLD}
+    if rank == 1:
+        if bad == "text_dim":
+            k = torch.randn(6, 3)
+        elif bad == "not_a_tensor":
+            k = k.tolist()
+        elif bad == "backend":
+            kwargs["backend"] = "nope"
+        elif bad == "scale_shape":
+            scale = torch.ones(2)
+        elif bad == "reduction":
+            kwargs["reduction"] = "avg"
+        elif bad == "int_features":
+            q = q.long()
+    fn = bigbatch.clip_loss if loss == "clip" else bigbatch.infonce_loss
+    return fn(q, k, scale, **kwargs)
+
+
+def _run_cases(rank: int, world: int):
+    out = []
+    for loss, bad, _ in CASES:
+        try:
+            _call(rank, loss, bad)
+            out.append(("no error", ""))
+        except (TypeError, ValueError) as exc:
+            out.append((type(exc).__name__, str(exc)))
+        dist.barrier()  # the group is still usable after the error: no rank is stuck
+    return out
+
+
+def test_local_error_on_one_rank_raises_on_every_rank():
+    results = run_gloo(_run_cases, 2, timeout=120.0)
+    for i, (loss, bad, exc_type) in enumerate(CASES):
+        (t0, m0), (t1, m1) = results[0][i], results[1][i]
+        assert t1 == exc_type.__name__, f"{loss}/{bad}: rank 1 raised {t1}: {m1}"
+        assert t0 == "ValueError", f"{loss}/{bad}: the healthy rank got {t0}"
+        assert "rank(s) [1]" in m0 and m1.split(" got")[0][:20] in m0, f"{loss}/{bad}: {m0!r} vs {m1!r}"
