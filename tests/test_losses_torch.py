@@ -220,3 +220,11 @@ def test_auto_backend_on_cpu_is_torch_tiles():
     from bigbatch.backends import resolve_backend
 
     assert isinstance(resolve_backend("auto", torch.device("cpu")), TorchTiles)
+
+
+def test_double_backward_is_an_error_not_a_wrong_answer():
+    """The tile Functions are first-order only: asking for a second derivative must fail loudly."""
+    q, k = features(6, 3, seed=20), features(6, 3, seed=21)
+    (g,) = torch.autograd.grad(bigbatch.clip_loss(q, k, 2.0, backend="torch"), q, create_graph=True)
+    with pytest.raises(RuntimeError):
+        g.sum().backward()

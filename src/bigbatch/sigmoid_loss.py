@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch import Tensor
 
 from .backends import BACKEND_NAMES, triton_available
@@ -80,6 +81,7 @@ class SigmoidLoss(torch.autograd.Function):
         return loss.mul_(norm)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: Tensor):
         dq, dk, d_scale, d_bias = ctx.saved_tensors
         g = grad.to(dq.dtype)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch import Tensor
 
 from .backends.base import TileBackend, compute_dtype
@@ -50,6 +51,7 @@ class TiledSoftmaxStats(torch.autograd.Function):
         return lse_row, lse_col, pos
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g_row: Tensor, g_col: Tensor, g_pos: Tensor):
         q, k, scale, labels, lse_row, lse_col = ctx.saved_tensors
         dq, dk, d_scale = ctx.backend.lse_grad(

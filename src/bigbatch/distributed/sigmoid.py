@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch import Tensor
 
 from .._validate import check_pair, prepare_scalar
@@ -138,6 +139,7 @@ class _RingSigmoid(torch.autograd.Function):
         return loss.mul_(norm)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         q, k, scale, bias, dq, dk, d_scale, d_bias = ctx.saved_tensors
         g = grad.to(dq.dtype)

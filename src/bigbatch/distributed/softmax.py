@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch import Tensor
 
 from ..backends.base import TileBackend, compute_dtype
@@ -138,6 +139,7 @@ class RingSoftmax(torch.autograd.Function):
         return lse_row, lse_col, pos
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g_row: Tensor, g_col: Tensor, g_pos: Tensor):
         q, k, scale, lse_row, lse_col = ctx.saved_tensors
         plan: RingPlan = ctx.plan
