@@ -79,12 +79,22 @@ def table(summary, runs, args) -> str:
     ]
     for arm in ARMS:
         s = summary[arm]
-        steps = next(r["steps"] for r in runs if r["arm"] == arm)
+        steps = round(statistics.mean(r["steps"] for r in runs if r["arm"] == arm))
         neg = 4095 if arm == "cached" else 255
         lines.append(
             f"| {LABELS[arm]} | {neg} | {steps} | {100 * s['recall@1'][0]:.1f} +- {100 * s['recall@1'][1]:.1f}% | "
             f"{100 * s['recall@10'][0]:.1f} +- {100 * s['recall@10'][1]:.1f}% | {s['mrr'][0]:.3f} +- {s['mrr'][1]:.3f} |"
         )
+    by = {(r["arm"], r["seed"]): r["after"]["recall@1"] for r in runs}
+    for other in ("accumulate", "plain"):
+        diffs = [100 * (by[("cached", sd)] - by[(other, sd)]) for sd in args.seeds
+                 if ("cached", sd) in by and (other, sd) in by]
+        if diffs:
+            spread = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+            lines.append(f"\nPaired by seed, cached minus {other}: Recall@1 {statistics.mean(diffs):+.2f} +- "
+                         f"{spread:.2f} points (per seed: {', '.join(f'{x:+.1f}' for x in diffs)}).")
+    lines.append(f"\nConfig: {args.epochs:g} epochs, peak lr {args.lr_used:g} (AdamW/SparseAdam, 5% warm-up, cosine), "
+                 f"bag encoder dim {args.dim}, {args.buckets} buckets, up to {args.max_pairs} built-in pairs.")
     return "\n".join(lines)
 
 
@@ -121,14 +131,23 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--epochs", type=float, default=3.0)
-    p.add_argument("--lr", type=float, default=TrainConfig.lr)
+    p.add_argument("--lr", type=float, default=None, help="default: the trainer's default for the model")
     p.add_argument("--dim", type=int, default=TrainConfig.dim)
     p.add_argument("--buckets", type=int, default=TrainConfig.buckets)
     p.add_argument("--max-pairs", type=int, default=TrainConfig.max_pairs)
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--name", default="negatives_vs_accumulation", help="stem of the result files")
+    p.add_argument("--render", metavar="JSON", help="only redraw the table and plot from a results JSON")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.render:
+        saved = json.loads(Path(args.render).read_text())
+        for k, v in saved["config"].items():
+            if k not in ("render", "out", "name"):
+                setattr(args, k, v)
+        return finish(saved["runs"], args, out)
+    args.lr_used = TrainConfig(lr=args.lr).peak_lr()
     runs: List[Dict] = []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -140,13 +159,19 @@ def main(argv=None) -> int:
                       f"(untrained {100 * r['before']['recall@1']:.1f}%), {r['steps']} updates, {r['seconds']:.0f} s",
                       flush=True)
                 summary = summarise(runs) if all(any(x["arm"] == a for x in runs) for a in ARMS) else None
-                (out / "negatives_vs_accumulation.json").write_text(json.dumps(
+                (out / f"{args.name}.json").write_text(json.dumps(
                     {"config": vars(args), "runs": runs, "summary": summary, "seconds": time.perf_counter() - t0,
                      "hardware": _hardware()}, indent=2) + "\n")
+    return finish(runs, args, out)
+
+
+def finish(runs: List[Dict], args, out: Path) -> int:
+    if getattr(args, "lr_used", None) is None:
+        args.lr_used = args.lr if args.lr is not None else TrainConfig().peak_lr()
     summary = summarise(runs)
     md = table(summary, runs, args)
-    (out / "negatives_vs_accumulation.md").write_text(md + "\n")
-    plot(summary, runs, out / "negatives_vs_accumulation.png")
+    (out / f"{args.name}.md").write_text(md + "\n")
+    plot(summary, runs, out / f"{args.name}.png")
     print(md)
     return 0
 

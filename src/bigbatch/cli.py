@@ -74,7 +74,7 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--backend", help=f"loss backend: auto, torch, triton, reference (default: {d.backend})")
     g = p.add_argument_group("optimisation")
     g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help=f"autocast precision (fp16: CUDA only) (default: {d.precision})")
-    g.add_argument("--lr", type=float, help=f"peak AdamW learning rate (default: {d.lr})")
+    g.add_argument("--lr", type=float, help="peak learning rate (default: 1e-2 for the bag model, 5e-5 for transformers)")
     g.add_argument("--weight-decay", type=float, help=f"AdamW weight decay (default: {d.weight_decay})")
     g.add_argument("--warmup", type=float, help=f"fraction of steps of linear warm-up (default: {d.warmup})")
     g.add_argument("--epochs", type=float, help=f"passes over the training set (default: {d.epochs})")

@@ -58,7 +58,7 @@ class TrainConfig:
     memory_budget: Optional[str] = None  # e.g. "2GiB": GradCache sizes the chunks instead
     accumulate: bool = False  # gradient accumulation over chunks instead of caching (baseline)
     precision: str = "fp32"
-    lr: float = 2e-3
+    lr: Optional[float] = None  # peak learning rate; None: 1e-2 for the bag model, 5e-5 for transformers
     weight_decay: float = 0.0
     warmup: float = 0.05  # fraction of steps with linear warm-up, then cosine decay to 0
     epochs: float = 3.0
@@ -74,6 +74,12 @@ class TrainConfig:
 
     # Fields that may differ on --resume (they do not change the trajectory).
     RESUMABLE_OVERRIDES = ("device", "progress", "out", "eval_every", "save_every", "save", "backend")
+
+    def peak_lr(self) -> float:
+        """``lr``, or the default for the model: 1e-2 (bag: embeddings learn fast) or 5e-5 (transformers)."""
+        if self.lr is not None:
+            return self.lr
+        return 1e-2 if self.model == "bag" else 5e-5
 
     def to_json(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -97,7 +103,7 @@ class TrainConfig:
             raise ValueError("--accumulate needs --chunk-size (the micro-batch) and --loss clip")
         if self.hard_negatives < 0 or (self.hard_negatives and self.loss != "infonce"):
             raise ValueError("--hard-negatives must be >= 0 and needs --loss infonce")
-        if self.lr <= 0 or not math.isfinite(self.lr):
+        if self.lr is not None and (self.lr <= 0 or not math.isfinite(self.lr)):
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
         if not 0 <= self.warmup < 1:
             raise ValueError(f"--warmup must be in [0, 1), got {self.warmup}")
@@ -399,7 +405,7 @@ def train(
     train_t = Tables(model, splits.train, cfg.hard_negatives)
     held_t = Tables(model, splits.heldout, 0)
     model.to(device)
-    opt = Optimizers(model, cfg.lr, cfg.weight_decay)
+    opt = Optimizers(model, cfg.peak_lr(), cfg.weight_decay)
     params = opt.params
     scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
 
@@ -466,7 +472,7 @@ def train(
             t0 = time.perf_counter()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            lr = lr_at(step, total, cfg.lr, cfg.warmup)
+            lr = lr_at(step, total, cfg.peak_lr(), cfg.warmup)
             for g in opt.param_groups:
                 g["lr"] = lr
             idx = batch_indices(len(splits.train), cfg.batch_size, step, cfg.seed)

@@ -26,10 +26,11 @@ def plot_metrics(metrics_path: os.PathLike | str, png_path: os.PathLike | str) -
     for key, label in (("recall@1", "Recall@1"), ("recall@10", "Recall@10"), ("mrr", "MRR")):
         ax_r.plot([r["step"] for r in evals], [r["eval"][key] for r in evals], marker="o", ms=3, label=label)
     ax_r.set_xlabel("step")
-    ax_r.set_ylim(0, 1)
+    top = max([r["eval"][k] for r in evals for k in ("recall@1", "recall@10", "mrr")], default=1.0)
+    ax_r.set_ylim(0, min(1.0, 1.35 * top + 0.02))
     ax_r.set_title("held-out retrieval")
     ax_r.grid(alpha=0.3)
-    ax_r.legend(loc="lower right")
+    ax_r.legend(loc="upper left", ncol=3, fontsize=8)
     fig.tight_layout()
     png = Path(png_path)
     tmp = png.with_name(png.stem + ".tmp.png")
