@@ -26,6 +26,21 @@ from .backends import BackendArg, resolve_backend
 from .tiled_lse import tiled_softmax_stats
 
 
+def _check_inputs(q_name, q, k_name, k, scale, backend, *, same_rows, group, kind, reduction="mean"):
+    """``(scale tensor, backend)`` after the local checks. With a group, a failure on this rank is
+    raised on every rank (the others would otherwise wait in the ring's first collective)."""
+    try:
+        check_pair(q_name, q, k_name, k, same_rows=same_rows)
+        check_reduction(reduction)
+        return prepare_scalar("scale", scale, q), resolve_backend(backend, q.device, q.dtype)
+    except (TypeError, ValueError) as exc:
+        if group is None:
+            raise
+        from .distributed import raise_on_every_rank
+
+        raise_on_every_rank(group, kind, exc)
+
+
 def clip_loss(
     image_features: Tensor,
     text_features: Tensor,
@@ -50,16 +65,10 @@ def clip_loss(
         from one pass over the tiles; memory beyond the inputs is O(B) plus one tile.
     """
     group = check_group(group)
-    try:
-        check_pair("image_features", image_features, "text_features", text_features, same_rows=group is None)
-        s = prepare_scalar("scale", scale, image_features)
-        impl = resolve_backend(backend, image_features.device, image_features.dtype)
-    except (TypeError, ValueError) as exc:
-        if group is None:
-            raise
-        from .distributed import raise_on_every_rank
-
-        raise_on_every_rank(group, "clip", exc)
+    s, impl = _check_inputs(
+        "image_features", image_features, "text_features", text_features, scale, backend,
+        same_rows=group is None, group=group, kind="clip",
+    )
     if group is not None:
         from .distributed import ring_clip_loss
 
@@ -94,17 +103,10 @@ def infonce_loss(
         backend: ``"auto"``, ``"reference"``, ``"torch"``, ``"triton"`` or a backend object.
     """
     group = check_group(group)
-    try:
-        check_pair("queries", queries, "keys", keys, same_rows=False)
-        reduction = check_reduction(reduction)
-        s = prepare_scalar("scale", scale, queries)
-        impl = resolve_backend(backend, queries.device, queries.dtype)
-    except (TypeError, ValueError) as exc:
-        if group is None:
-            raise
-        from .distributed import raise_on_every_rank
-
-        raise_on_every_rank(group, "infonce", exc)
+    s, impl = _check_inputs(
+        "queries", queries, "keys", keys, scale, backend, same_rows=False, group=group, kind="infonce",
+        reduction=reduction,
+    )
     if group is not None:
         from .distributed import ring_infonce_loss
 
