@@ -80,6 +80,10 @@ class GradCache:
         ddp_sync: ``"last_chunk"`` (DDP all-reduces once per step) or ``"every_chunk"``.
         keep_last_graph: keep the graph of the last chunk(s) of pass 1 when the budget allows, instead of
             re-running them (one chunk's forward saved per step).
+        fp16: the public GradCache's switch: ``autocast_dtype=torch.float16``, which needs ``scaler``.
+
+    ``gc(..., no_sync_except_last=True/False)`` is accepted as in the public GradCache and sets
+    ``ddp_sync`` for that step (``"last_chunk"`` / ``"every_chunk"``); it is not passed to ``loss_fn``.
 
     Calling ``gc(*inputs, **loss_kwargs)`` runs one cached step: it accumulates into ``.grad`` of every
     parameter (encoders and loss) and returns the detached, unscaled loss.
@@ -99,7 +103,14 @@ class GradCache:
         offload_reps: bool = False,
         ddp_sync: str = "last_chunk",
         keep_last_graph: bool = True,
+        fp16: bool = False,
     ) -> None:
+        if fp16:
+            if autocast_dtype not in (None, torch.float16):
+                raise ValueError(f"fp16=True means autocast_dtype=torch.float16, got autocast_dtype={autocast_dtype!r}")
+            if scaler is None:
+                raise ValueError("fp16=True needs scaler=torch.amp.GradScaler() (fp16 gradients underflow without one)")
+            autocast_dtype = torch.float16
         self.models: List[nn.Module] = [models] if isinstance(models, nn.Module) else list(models)
         if not self.models or not all(isinstance(m, nn.Module) for m in self.models):
             raise TypeError("models must be an nn.Module or a non-empty list of nn.Modules")
@@ -185,10 +196,11 @@ class GradCache:
         return list(chunks)
 
     # -- the step -------------------------------------------------------------------------
-    def cache_step(self, *inputs: Any, **loss_kwargs: Any) -> Tensor:
+    def cache_step(self, *inputs: Any, no_sync_except_last: Optional[bool] = None, **loss_kwargs: Any) -> Tensor:
         """Run one cached step; see the class docstring."""
         if not inputs:
             raise ValueError("GradCache needs at least one input")
+        ddp_sync = self.ddp_sync if no_sync_except_last is None else ("last_chunk" if no_sync_except_last else "every_chunk")
         models = self._models_for(len(inputs))
         if self.offload_inputs:
             inputs = tuple(pin(x) for x in inputs)
@@ -198,10 +210,10 @@ class GradCache:
             for chunk in self._split(x, c):
                 units.append(Unit(i, m, chunk, batch_size(chunk, f"a chunk of inputs[{i}]")))
         self._plan_keep(units, costs, budget)
-        finalize_plan(units, self.ddp_sync)
+        finalize_plan(units, ddp_sync)
         self.last_chunk_sizes, self.last_kept = sizes, sum(u.keep for u in units)
         self.last_kept_rows = [sum(u.rows for u in units if u.keep and u.input_index == i) for i in range(len(inputs))]
-        opts = EngineOptions(self.get_rep_fn, self.autocast_dtype, self.offload_inputs, self.offload_reps, self.ddp_sync)
+        opts = EngineOptions(self.get_rep_fn, self.autocast_dtype, self.offload_inputs, self.offload_reps, ddp_sync)
         try:
             reps = encode(units, opts, len(inputs))
             leaves = [r.detach().requires_grad_(True) for r in reps]

@@ -1,0 +1,58 @@
+"""The public GradCache's spellings work here too: ``fp16=True`` with a scaler, and the call
+keyword ``no_sync_except_last`` (a step option, never passed on to ``loss_fn``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import bigbatch
+from bigbatch.gradcache import GradCache
+
+from helpers import assert_rel
+
+
+def _encoder(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+
+
+def _loss(q, p):  # no **kwargs: an unexpected keyword would raise TypeError
+    return bigbatch.clip_loss(q, p, 5.0, backend="torch")
+
+
+def _grads(model):
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def test_fp16_flag_equals_fp16_autocast_with_scaler():
+    x, y = torch.randn(12, 6), torch.randn(12, 6)
+    results = []
+    for kwargs in ({"fp16": True}, {"autocast_dtype": torch.float16}):
+        model = _encoder(0)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        GradCache([model], chunk_sizes=5, loss_fn=_loss, scaler=scaler, **kwargs)(x, y)
+        results.append(_grads(model))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_fp16_flag_needs_a_scaler_and_fp16():
+    with pytest.raises(ValueError, match="needs scaler"):
+        GradCache([_encoder(0)], chunk_sizes=4, loss_fn=_loss, fp16=True)
+    with pytest.raises(ValueError, match="fp16=True means"):
+        GradCache([_encoder(0)], chunk_sizes=4, loss_fn=_loss, fp16=True, autocast_dtype=torch.bfloat16,
+                  scaler=torch.amp.GradScaler("cpu"))
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_no_sync_except_last_is_a_step_option(flag):
+    x, y = torch.randn(10, 6), torch.randn(10, 6)
+    model = _encoder(1)
+    GradCache([model], chunk_sizes=3, loss_fn=_loss)(x, y, no_sync_except_last=flag)
+    got = _grads(model)
+    ref_model = _encoder(1)
+    _loss(ref_model(x), ref_model(y)).backward()
+    for g, r in zip(got, _grads(ref_model)):
+        assert_rel(g, r, 1e-5, "grad")
