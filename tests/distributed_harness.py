@@ -42,6 +42,11 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, ar
         result = ("error", traceback.format_exc())
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+    # The group is destroyed and the result is on disk: leave without running C++ static
+    # destructors. torch's gloo p2p threads can call std::terminate during interpreter teardown
+    # ("terminate called without an active exception", seen at exit AFTER destroy_process_group
+    # returned), which would fail a run whose collectives all completed.
+    os._exit(0)
 
 
 def run_gloo(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0) -> List[Any]:
