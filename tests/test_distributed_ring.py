@@ -365,11 +365,6 @@ def test_ring_three_ranks_and_subgroup():
     assert run_gloo(_three_ranks, 3, HAS_TRITON_BACKEND) == [True, True, True]
 
 
-@pytest.mark.skipif(HAS_TRITON_BACKEND, reason="the triton backend exists: covered by the tests above")
-def test_triton_backend_pending():
-    pytest.skip("bigbatch.backends.triton_softmax does not exist yet: the ring's triton checks are not run")
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_ring_nccl_two_gpus(tmp_path):
