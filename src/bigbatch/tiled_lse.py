@@ -20,6 +20,7 @@ from torch.autograd.function import once_differentiable
 from torch import Tensor
 
 from .backends.base import TileBackend, compute_dtype
+from .backends.torch_tiles import blocks
 
 # Rows per chunk of the positive-logit dot products: bounds the fp32 temporaries to
 # 2 * _POS_CHUNK * D elements whatever B is.
@@ -30,10 +31,8 @@ def positive_logits(q: Tensor, k: Tensor, labels: Tensor, scale: Tensor) -> Tens
     """``scale * <q_i, k_{labels_i}>`` in the compute dtype, chunked over rows (not differentiable)."""
     ct = compute_dtype(q.dtype)
     out = torch.empty(q.shape[0], dtype=ct, device=q.device)
-    for start in range(0, q.shape[0], _POS_CHUNK):
-        stop = min(start + _POS_CHUNK, q.shape[0])
-        kp = k.index_select(0, labels[start:stop]).to(ct)
-        out[start:stop] = (q[start:stop].to(ct) * kp).sum(dim=1)
+    for rs in blocks(q.shape[0], _POS_CHUNK):
+        out[rs] = (q[rs].to(ct) * k.index_select(0, labels[rs]).to(ct)).sum(dim=1)
     return out.mul_(scale.detach().to(ct))
 
 

@@ -75,8 +75,9 @@ class TileBackend(Protocol):
         """``(dq, dk, d_scale)``.
 
         With ``pos_labels`` (B,) int64 and ``g_pos`` (B,): ``dS[i, pos_labels[i]] += g_pos[i]``
-        (the gradient of ``sum_i g_pos_i S_{i, pos_labels_i}``); ``pos_labels[i] == -1`` means
-        row i has no positive among these keys.
+        (the gradient of ``sum_i g_pos_i S_{i, pos_labels_i}``); a label outside ``[0, N)`` (e.g. the
+        global index of a key in another block, minus this block's start) means row i has no
+        positive among these keys.
 
         ``dq``/``dk`` are in ``grad_dtype`` (default: the inputs' dtype; the ring asks for the
         compute dtype to accumulate partials over key blocks); ``d_scale`` is a 0-d tensor in the

@@ -9,33 +9,18 @@ when no accumulator is given). Workspace: a few tiles in the compute dtype; neve
 from __future__ import annotations
 
 from dataclasses import dataclass
-import math
-from typing import Iterator, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .base import compute_dtype
-from .torch_tiles import check_tile_sizes
+from .torch_tiles import auto_tile, blocks, check_tile_sizes
 
-# Workspace budget (bytes) of one step: ~4 tiles of logits-sized temporaries in the compute dtype.
+# Workspace budget (bytes) of one step: ~4 tiles of logits-sized temporaries (u, z*u, G and
+# the log-sigmoid) in the compute dtype, plus the upcast q and k blocks.
 _AUTO_WORKSPACE_BYTES = {"cuda": 1 << 30, "cpu": 16 << 20}
-
-
-def blocks(total: int, size: int) -> Iterator[slice]:
-    """Consecutive slices of ``size`` covering ``range(total)`` (the last may be shorter)."""
-    for start in range(0, total, size):
-        yield slice(start, min(start + size, total))
-
-
-def auto_tile(m: int, n: int, dtype: torch.dtype, device: torch.device) -> Tuple[int, int]:
-    """A near-square tile whose ~4 temporaries fit the device's workspace budget."""
-    elements = _AUTO_WORKSPACE_BYTES.get(device.type, 64 << 20) // (4 * compute_dtype(dtype).itemsize)
-    side = max(16, math.isqrt(elements))
-    rows = max(1, min(m, side))
-    cols = max(1, min(n, elements // rows))
-    return rows, cols
 
 
 def positive_mask(
@@ -101,7 +86,7 @@ class TorchSigmoid:
         ct = compute_dtype(q.dtype)
         m, n = q.shape[0], k.shape[0]
         check_ids(q_ids, k_ids, m, n)
-        rows, cols = auto_tile(m, n, q.dtype, q.device)
+        rows, cols = auto_tile(m, n, q.shape[1], q.dtype, q.device, tiles=4, budget_bytes=_AUTO_WORKSPACE_BYTES)
         tr, tc = self.tile_rows or rows, self.tile_cols or cols
         loss = torch.zeros((), dtype=ct, device=q.device)
         g_sum = torch.zeros((), dtype=ct, device=q.device)

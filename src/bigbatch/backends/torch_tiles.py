@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -22,24 +22,35 @@ from .base import compute_dtype
 _AUTO_WORKSPACE_BYTES = {"cuda": 256 << 20, "cpu": 16 << 20}
 
 
-def auto_tile(b: int, n: int, d: int, dtype: torch.dtype, device: torch.device) -> Tuple[int, int]:
+def auto_tile(
+    b: int,
+    n: int,
+    d: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    tiles: int = 3,
+    budget_bytes: Optional[Dict[str, int]] = None,
+) -> Tuple[int, int]:
     """A near-square (rows, cols) tile whose workspace fits the device's budget.
 
-    Workspace of one step, in compute-dtype elements: ~3 rows x cols tiles (logits, their
-    exponentials, the gradient tile) plus the upcast q and k blocks, (rows + cols) x d.
+    Workspace of one step, in compute-dtype elements: ``tiles`` rows x cols temporaries (here:
+    logits, their exponentials, the gradient tile) plus the upcast q and k blocks, (rows + cols) x d.
+    ``budget_bytes`` maps device types to bytes (default: this backend's budgets).
     """
-    budget = _AUTO_WORKSPACE_BYTES.get(device.type, 64 << 20) // compute_dtype(dtype).itemsize
-    # Largest side with 3*side^2 + 2*d*side <= budget.
-    side = int((-2 * d + math.sqrt(4 * d * d + 12 * budget)) / 6)
+    per_device = budget_bytes or _AUTO_WORKSPACE_BYTES
+    budget = per_device.get(device.type, 64 << 20) // compute_dtype(dtype).itemsize
+    # Largest side with tiles*side^2 + 2*d*side <= budget.
+    side = int((-2 * d + math.sqrt(4 * d * d + 4 * tiles * budget)) / (2 * tiles))
     side = max(16, side)
     rows = max(1, min(b, side))
-    cols = max(1, min(n, (budget - rows * d) // (3 * rows + d)))
+    cols = max(1, min(n, (budget - rows * d) // (tiles * rows + d)))
     return rows, cols
 
 
-def _blocks(total: int, size: int) -> Iterator[slice]:
-    for start in range(0, total, size):
-        yield slice(start, min(start + size, total))
+def blocks(total: int, size: int) -> List[slice]:
+    """Consecutive slices of ``size`` covering ``range(total)`` (the last may be shorter)."""
+    return [slice(start, min(start + size, total)) for start in range(0, total, size)]
 
 
 def check_tile_sizes(backend: object) -> None:
@@ -51,7 +62,8 @@ def check_tile_sizes(backend: object) -> None:
 
 
 def _add_positives(ds: Tensor, cols: Tensor, g: Tensor) -> None:
-    """``ds[r, cols[r]] += g[r]`` for the rows whose column falls inside the tile (no host sync)."""
+    """``ds[r, cols[r]] += g[r]`` for the rows whose column falls inside the tile (no host sync);
+    columns outside the tile (other tiles, other blocks) are ignored."""
     hit = (cols >= 0) & (cols < ds.shape[1])
     rows = torch.arange(ds.shape[0], device=ds.device)
     ds.index_put_((rows, cols.clamp(0, ds.shape[1] - 1)), torch.where(hit, g, torch.zeros_like(g)), accumulate=True)
@@ -85,9 +97,9 @@ class TorchTiles:
         tr, tc = self._tiles(q, k)
         lse_row = q.new_full((b,), -math.inf, dtype=ct) if rows else None
         lse_col = q.new_full((n,), -math.inf, dtype=ct) if cols else None
-        for rs in _blocks(b, tr):
+        for rs in blocks(b, tr):
             qi = q[rs].to(ct)
-            for cs in _blocks(n, tc):
+            for cs in blocks(n, tc):
                 s_tile = torch.mm(qi, k[cs].to(ct).t()).mul_(scale)
                 # Both directions from the same tile; partials merge by logaddexp.
                 if rows:
@@ -116,9 +128,9 @@ class TorchTiles:
         """dq += dS @ k and dk += dS.T @ q (unscaled), recomputing each tile once."""
         ct = dq.dtype
         tr, tc = self._tiles(q, k)
-        for rs in _blocks(q.shape[0], tr):
+        for rs in blocks(q.shape[0], tr):
             qi = q[rs].to(ct)
-            for cs in _blocks(k.shape[0], tc):
+            for cs in blocks(k.shape[0], tc):
                 kj = k[cs].to(ct)
                 s_tile = torch.mm(qi, kj.t()).mul_(scale)
                 ds = torch.zeros_like(s_tile) if not (use_rows or use_cols) else None

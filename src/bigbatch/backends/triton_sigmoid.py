@@ -27,7 +27,8 @@ import triton.language as tl
 
 from . import triton_interpreted
 from .base import compute_dtype
-from .torch_sigmoid import blocks, check_ids
+from .torch_sigmoid import check_ids
+from .torch_tiles import blocks
 
 # Bytes of the G workspace tile chosen automatically (GPU); the interpreter uses small tiles.
 _AUTO_TILE_BYTES = {"cuda": 1 << 29, "cpu": 1 << 16}

@@ -35,7 +35,7 @@ def dlogits_kernel(
 ):
     """``ds[r, c]`` (and, with ``WRITE_T``, ``dst[c, r]``) for the ``TM x TN`` super-tile whose q, k,
     lse, g and pos pointers are offset to its first row / column. ``pos`` holds each row's positive
-    key as an index into the whole key set (-1: none); ``COL_OFF`` is the super-tile's first key.
+    key as an index into this call's key set (outside [0, N): none); ``COL_OFF`` is the super-tile's first key.
     Entries outside ``TM x TN`` are not written."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)

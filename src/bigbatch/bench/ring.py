@@ -142,7 +142,7 @@ def _compute_only(img, txt, s, backend, world: int, chunk: int) -> None:
     passes over a (b_local x b_local) block, then ``world`` chunked backward passes with fp32
     accumulators; ring time minus this time is what communication and its waits cost.
     """
-    from bigbatch.distributed.softmax import _chunks
+    from bigbatch.backends.torch_tiles import blocks
 
     b, d = img.shape
     ct = torch.float32
@@ -156,9 +156,9 @@ def _compute_only(img, txt, s, backend, world: int, chunk: int) -> None:
         dq = torch.zeros((b, d), dtype=ct, device=img.device)
         for _ in range(world):
             acc = []
-            for cs in _chunks(b, chunk):
+            for cs in blocks(b, chunk):
                 dk_cs = None
-                for rs in _chunks(b, chunk):
+                for rs in blocks(b, chunk):
                     dq_c, dk_c, _ = backend.lse_grad(img[rs], txt[cs], s, lse_row[rs], lse_col[cs], g[rs], g[cs],
                                                      grad_dtype=ct)
                     dq[rs] += dq_c

@@ -45,6 +45,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch import Tensor
 
+from ..backends.torch_tiles import blocks
 from ..backends.base import TileBackend, compute_dtype
 from .ring import Ring
 
@@ -75,13 +76,9 @@ class RingPlan:
         """Global index of key block ``j``'s first row."""
         return sum(self.k_sizes[:j])
 
-    def key_chunks(self, j: int) -> List[slice]:
+    def keyblocks(self, j: int) -> List[slice]:
         """The column chunks of key block ``j`` (same on every rank)."""
-        return _chunks(self.k_sizes[j], self.chunk)
-
-
-def _chunks(total: int, size: int) -> List[slice]:
-    return [slice(s, min(s + size, total)) for s in range(0, total, size)]
+        return blocks(self.k_sizes[j], self.chunk)
 
 
 def _dots(q: Tensor, kc: Tensor, rows: Tensor, cols: Tensor, ct: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
@@ -117,7 +114,7 @@ class RingSoftmax(torch.autograd.Function):
 
             row_part, col_part = backend.lse(q, blk, scale_d, rows=True, cols=cols)
             lse_row = row_part if lse_row is None else torch.logaddexp(lse_row, row_part)
-            for i, cs in enumerate(plan.key_chunks(j)):
+            for i, cs in enumerate(plan.keyblocks(j)):
                 if (j, i) in plan.pos:
                     rows, idx = plan.pos[(j, i)]
                     _, _, dots = _dots(q, blk[cs], rows, idx, ct)
@@ -157,10 +154,10 @@ class RingSoftmax(torch.autograd.Function):
         # chunk by chunk: a chunk leaves as soon as the same chunk of the next block arrives,
         # and at most about one block's accumulator (plus a chunk) is alive at a time.
         acc_out: List[Optional[Tensor]] = []  # previous step's block, to send on
-        row_chunks = _chunks(b, plan.chunk)
+        row_chunks = blocks(b, plan.chunk)
         for t in range(ring.world):
             j = ring.block_at(t)
-            chunks = plan.key_chunks(j)
+            chunks = plan.keyblocks(j)
             pend_static = None
             if t < ring.world - 1:
                 n_next = plan.k_sizes[ring.block_at(t + 1)]
@@ -182,13 +179,10 @@ class RingSoftmax(torch.autograd.Function):
                     cs = chunks[i]
                     has_pos = (j, i) in plan.pos
                     for rs in row_chunks:
-                        pos_kw = {}
-                        if has_pos:
-                            # The positive term joins dS inside the backend, in fp32, BEFORE dS is
-                            # rounded and multiplied: near convergence it cancels the LSE term.
-                            x = rel[rs] - cs.start
-                            hit = (x >= 0) & (x < cs.stop - cs.start)
-                            pos_kw = {"pos_labels": torch.where(hit, x, torch.full_like(x, -1)), "g_pos": g_pos[rs]}
+                        # The positive term joins dS inside the backend, in fp32, BEFORE dS is rounded
+                        # and multiplied (near convergence it cancels the LSE term); labels outside
+                        # this chunk mean "no positive here" to the backend.
+                        pos_kw = {"pos_labels": rel[rs] - cs.start, "g_pos": g_pos[rs]} if has_pos else {}
                         dq_c, dk_c, ds_c = backend.lse_grad(
                             q[rs], kb[cs], scale, lse_row[rs], lcb[cs] if cols else None,
                             g_row[rs], gcb[cs] if cols else None, grad_dtype=ct, **pos_kw,
@@ -206,7 +200,7 @@ class RingSoftmax(torch.autograd.Function):
             acc_out = acc
         # acc_out holds block (rank + 1)'s complete dk (world 1: this rank's): send it home.
         dk = k.new_empty(k.shape)
-        own = plan.key_chunks(ring.rank)
+        own = plan.keyblocks(ring.rank)
         for i in range(max(len(own), len(acc_out))):
             if ring.world == 1:
                 dk[own[i]] = acc_out[i]
@@ -238,7 +232,7 @@ def positive_index(
     segments: List[Tuple[int, int, int]] = []  # (block, chunk, global start)
     start = 0
     for j, n in enumerate(k_sizes):
-        for i, cs in enumerate(_chunks(int(n), chunk)):
+        for i, cs in enumerate(blocks(int(n), chunk)):
             segments.append((j, i, start + cs.start))
         start += int(n)
     bounds = torch.tensor([seg[2] for seg in segments[1:]], dtype=labels.dtype, device=labels.device)
@@ -255,4 +249,4 @@ def positive_index(
 def own_positives(b: int, rank: int, chunk: int, device: torch.device) -> Dict[Tuple[int, int], Tuple[Tensor, Tensor]]:
     """CLIP's positives: row r of this rank pairs with key r of this rank's block (no sync)."""
     ar = torch.arange(b, device=device)
-    return {(rank, i): (ar[cs], ar[: cs.stop - cs.start]) for i, cs in enumerate(_chunks(b, chunk))}
+    return {(rank, i): (ar[cs], ar[: cs.stop - cs.start]) for i, cs in enumerate(blocks(b, chunk))}
