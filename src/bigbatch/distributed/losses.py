@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._validate import check_int_vector
 from ..backends.base import TileBackend, compute_dtype
 from .gather import gather_with_grad
 from .ring import Ring, agree, dtype_code, offsets
@@ -40,14 +41,10 @@ def _local_label_error(labels: Optional[Tensor], b: int, n: int, device: torch.d
                 0.0,
             )
         return None, 0.0, 0.0
-    if not isinstance(labels, Tensor):
-        return f"labels must be a torch.Tensor of integer global key indices, got {type(labels).__name__}", 0.0, 0.0
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        return f"labels must have an integer dtype (e.g. torch.long), got {labels.dtype}", 0.0, 0.0
-    if labels.shape != (b,):
-        return f"labels must have shape ({b},) (one positive key per query), got {tuple(labels.shape)}", 0.0, 0.0
-    if labels.device != device:
-        return f"labels must be on the features' device {device}, got {labels.device}", 0.0, 0.0
+    try:
+        check_int_vector(labels, b, device, name="labels", meaning="one positive key per query", what="global key indices")
+    except (TypeError, ValueError) as exc:
+        return str(exc), 0.0, 0.0
     lo, hi = torch.aminmax(labels)
     return None, float(lo), float(hi)
 
