@@ -265,14 +265,14 @@ def make_accumulated_step(cfg: TrainConfig, model: DualEncoder, loss_fn, device)
     def step(q: Inputs, k: Inputs) -> Tensor:
         b = q["input_ids"].shape[0]
         c = cfg.chunk_size
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), device=device)  # on the device: no host sync per micro-batch
         for s in range(0, b, c):
             qc = {kk: v[s : s + c] for kk, v in q.items()}
             kc = {kk: v[s : s + c] for kk, v in k.items()}
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                 loss = loss_fn(model(qc), model(kc)) * (qc["input_ids"].shape[0] / b)
             loss.backward()
-            total += loss.detach().double().cpu()
+            total += loss.detach().float()
         return total.float()
 
     return step
