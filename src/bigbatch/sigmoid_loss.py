@@ -14,52 +14,16 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch import Tensor
 
-from .backends import BACKEND_NAMES, triton_available
+from .backends import resolve_backend
 from .backends.base import SigmoidBackend, compute_dtype
-from .backends.torch_sigmoid import TorchSigmoid
 from ._validate import check_int_vector
 
 SigmoidBackendArg = Union[str, SigmoidBackend]
 
 
-def _make_triton() -> SigmoidBackend:
-    if not triton_available():
-        raise ValueError("backend='triton' needs the triton package; install it with `pip install triton`")
-    from .backends.triton_sigmoid import TritonSigmoid  # lazy: triton is optional
-
-    return TritonSigmoid()
-
-
 def resolve_sigmoid_backend(backend: object, device: torch.device, dtype: torch.dtype) -> Union[str, SigmoidBackend]:
     """``"reference"`` or a :class:`~bigbatch.backends.base.SigmoidBackend` usable on ``device``."""
-    if not isinstance(backend, str):
-        if isinstance(backend, SigmoidBackend):
-            if not backend.supports(device):
-                raise ValueError(f"backend {backend.name!r} cannot run on device {device}")
-            return backend
-        raise TypeError(
-            f"backend must be one of {BACKEND_NAMES} or a sigmoid backend object (TorchSigmoid, TritonSigmoid), "
-            f"got {type(backend).__name__}"
-        )
-    if backend not in BACKEND_NAMES:
-        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
-    if backend == "reference":
-        return "reference"
-    if backend == "torch":
-        return TorchSigmoid()
-    if backend == "triton":
-        impl = _make_triton()
-        if not impl.supports(device):
-            raise ValueError(
-                f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got tensors on {device}"
-            )
-        if dtype == torch.float64:
-            raise ValueError("backend='triton' takes float16/bfloat16/float32 features, got float64; use backend='torch'")
-        return impl
-    # auto: the fused kernel on a GPU (float64 stays on the torch tiles), torch tiles elsewhere.
-    if device.type == "cuda" and triton_available() and dtype != torch.float64:
-        return _make_triton()
-    return TorchSigmoid()
+    return resolve_backend(backend, device, dtype, op="sigmoid")
 
 
 class SigmoidLoss(torch.autograd.Function):

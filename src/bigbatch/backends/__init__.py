@@ -8,13 +8,15 @@ and the functional layer runs the full-matrix implementation.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from typing import Optional, Union
 
 import torch
 
-from .base import TileBackend, compute_dtype
+from .base import SigmoidBackend, TileBackend, compute_dtype
+from .torch_sigmoid import TorchSigmoid
 from .torch_tiles import TorchTiles
 
 BACKEND_NAMES = ("auto", "reference", "torch", "triton")
@@ -32,55 +34,65 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _make_triton():
+# Per op: (protocol, what a backend object must be, torch class, triton module, triton class).
+_OPS = {
+    "softmax": (TileBackend, "a backend object", TorchTiles, "triton_softmax", "TritonTiles"),
+    "sigmoid": (SigmoidBackend, "a sigmoid backend object (TorchSigmoid, TritonSigmoid)", TorchSigmoid,
+                "triton_sigmoid", "TritonSigmoid"),
+}
+
+
+def _make_triton(op: str):
     if not triton_available():
         raise ValueError(
             "backend='triton' needs the triton package; install it with `pip install triton` "
             "(or `pip install bigbatch[triton]`)"
         )
-    from .triton_softmax import TritonTiles  # imported lazily: triton is optional
-
-    return TritonTiles()
+    _, _, _, module, cls = _OPS[op]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)()  # lazy: triton is optional
 
 
 def resolve_backend(
-    backend: BackendArg, device: torch.device, dtype: Optional[torch.dtype] = None
-) -> Union[str, TileBackend]:
-    """Turn the ``backend`` argument into ``"reference"`` or a tile backend usable on ``device``
-    (and, when given, for features of ``dtype``: ``"auto"`` keeps float64 on the torch tiles)."""
+    backend: BackendArg, device: torch.device, dtype: Optional[torch.dtype] = None, *, op: str = "softmax"
+):
+    """Turn the ``backend`` argument into ``"reference"`` or a backend of ``op`` ("softmax": a
+    :class:`TileBackend`, "sigmoid": a :class:`SigmoidBackend`) usable on ``device`` for features of
+    ``dtype`` when given (the fused kernels take half and single precision: ``"auto"`` keeps float64
+    on the torch tiles, ``"triton"`` refuses it)."""
+    protocol, what, torch_cls, _, _ = _OPS[op]
     if not isinstance(backend, str):
-        if isinstance(backend, TileBackend):
+        if isinstance(backend, protocol):
             if not backend.supports(device):
                 raise ValueError(f"backend {backend.name!r} cannot run on device {device}")
             return backend
-        raise TypeError(
-            f"backend must be one of {BACKEND_NAMES} or a backend object, got {type(backend).__name__}"
-        )
+        raise TypeError(f"backend must be one of {BACKEND_NAMES} or {what}, got {type(backend).__name__}")
     if backend not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
     if backend == "reference":
         return "reference"
     if backend == "torch":
-        return TorchTiles()
+        return torch_cls()
     if backend == "triton":
-        impl = _make_triton()
+        impl = _make_triton(op)
         if not impl.supports(device):
             raise ValueError(
                 f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), "
                 f"got tensors on {device}"
             )
+        if dtype == torch.float64:
+            raise ValueError("backend='triton' takes float16/bfloat16/float32 features, got float64; use backend='torch'")
         return impl
-    # auto: the fused kernels on a GPU when triton is there (they take half and single
-    # precision), the torch tiles otherwise.
     if device.type == "cuda" and triton_available() and dtype != torch.float64:
-        return _make_triton()
-    return TorchTiles()
+        return _make_triton(op)
+    return torch_cls()
 
 
 __all__ = [
     "BACKEND_NAMES",
     "BackendArg",
+    "SigmoidBackend",
     "TileBackend",
+    "TorchSigmoid",
     "TorchTiles",
     "compute_dtype",
     "resolve_backend",
