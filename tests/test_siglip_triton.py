@@ -17,7 +17,8 @@ from helpers import assert_rel
 
 triton = pytest.importorskip("triton")
 
-from bigbatch.backends.triton_sigmoid import TritonSigmoid, mm_acc  # noqa: E402
+from bigbatch.backends.gemm import mm_acc  # noqa: E402
+from bigbatch.backends.triton_sigmoid import TritonSigmoid  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -28,6 +28,7 @@ import triton.language as tl
 from . import triton_interpreted
 from .base import compute_dtype
 from .torch_sigmoid import check_ids
+from .gemm import mm_acc
 from .torch_tiles import blocks
 
 # Bytes of the G workspace tile chosen automatically (GPU); the interpreter uses small tiles.
@@ -131,59 +132,6 @@ def _siglip_tile_kernel(
             tl.store(g_ptrs, g.to(G.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
         else:
             tl.store(g_ptrs, g.to(G.dtype.element_ty))
-
-
-# How ``acc += a @ b`` is done for half-precision a, b and an fp32 accumulator (decided on first use).
-_MM_ACC_MODE: Optional[str] = None
-
-
-def _mm_acc_mode(device: torch.device) -> str:
-    """``"addmm_out_dtype"`` (fused fp32-output GEMM), ``"mm_out_dtype"`` (GEMM + add) or ``"upcast"``.
-
-    The fused form is checked once against an fp64 product before it is trusted.
-    """
-    global _MM_ACC_MODE
-    if _MM_ACC_MODE is not None:
-        return _MM_ACC_MODE
-    if device.type != "cuda":
-        _MM_ACC_MODE = "upcast"
-        return _MM_ACC_MODE
-    gen = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(64, 96, device=device, generator=gen).to(torch.bfloat16)
-    b = torch.randn(96, 48, device=device, generator=gen).to(torch.bfloat16)
-    acc0 = torch.randn(64, 48, device=device, generator=gen)
-    want = acc0.double() + a.double() @ b.double()
-    mode = "upcast"
-    try:
-        acc = acc0.clone()
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-        if (acc.double() - want).abs().max().item() < 1e-3:
-            mode = "addmm_out_dtype"
-    except (RuntimeError, TypeError, NotImplementedError):
-        pass
-    if mode == "upcast":
-        try:
-            acc = acc0 + torch.mm(a, b, out_dtype=torch.float32)
-            if (acc.double() - want).abs().max().item() < 1e-3:
-                mode = "mm_out_dtype"
-        except (RuntimeError, TypeError, NotImplementedError):
-            pass
-    _MM_ACC_MODE = mode
-    return mode
-
-
-def mm_acc(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """``acc += a @ b`` with fp32 (or fp64) accumulation whatever the dtype of a and b."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-        return
-    mode = _mm_acc_mode(acc.device)
-    if mode == "addmm_out_dtype":
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    elif mode == "mm_out_dtype":
-        acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
-    else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
 _PRECISIONS = ("ieee", "tf32")

@@ -112,7 +112,7 @@ def tune(b: int, d: int, dtype: torch.dtype) -> List[Dict[str, Any]]:
 
 
 def single_gpu(args) -> Dict[str, Any]:
-    from bigbatch.backends import triton_sigmoid
+    from bigbatch.backends import gemm
     from bigbatch.backends.triton_sigmoid import TritonSigmoid
 
     dtype = DTYPES[args.dtype]
@@ -163,7 +163,7 @@ def single_gpu(args) -> Dict[str, Any]:
         "bf16_matmul_tflops": bf16_rate,
         "flops_accounting": "6*B^2*D",
         "kernel_block": list(block) if block else "default",
-        "mm_acc_mode": triton_sigmoid._MM_ACC_MODE,
+        "mm_acc_mode": gemm._MM_ACC_MODE,
         "tune": tuned,
         "correctness_rel_err": {"batch": args.check_batch, "dtype": args.dtype, **check},
         "results": results,

@@ -1,0 +1,67 @@
+"""``acc += a @ b`` with an fp32 accumulator for half-precision operands, on cuBLAS.
+
+Shared by the tile backends whose gradient products run as GEMMs over a workspace tile
+(``triton_sigmoid``, ``triton_softmax``). Half operands with an fp32 output are one fused
+GEMM where torch has ``addmm(..., out_dtype=)`` (checked once against an fp64 product before it
+is trusted), else a fp32-output GEMM plus an add, else up-cast operands (CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+# How ``acc += a @ b`` is done for half-precision a, b and an fp32 accumulator (decided on first use).
+_MM_ACC_MODE: Optional[str] = None
+
+
+def _mm_acc_mode(device: torch.device) -> str:
+    """``"addmm_out_dtype"`` (fused fp32-output GEMM), ``"mm_out_dtype"`` (GEMM + add) or ``"upcast"``.
+
+    The fused form is checked once against an fp64 product before it is trusted.
+    """
+    global _MM_ACC_MODE
+    if _MM_ACC_MODE is not None:
+        return _MM_ACC_MODE
+    if device.type != "cuda":
+        _MM_ACC_MODE = "upcast"
+        return _MM_ACC_MODE
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(64, 96, device=device, generator=gen).to(torch.bfloat16)
+    b = torch.randn(96, 48, device=device, generator=gen).to(torch.bfloat16)
+    acc0 = torch.randn(64, 48, device=device, generator=gen)
+    want = acc0.double() + a.double() @ b.double()
+    mode = "upcast"
+    try:
+        acc = acc0.clone()
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        if (acc.double() - want).abs().max().item() < 1e-3:
+            mode = "addmm_out_dtype"
+    except (RuntimeError, TypeError, NotImplementedError):
+        pass
+    if mode == "upcast":
+        try:
+            acc = acc0 + torch.mm(a, b, out_dtype=torch.float32)
+            if (acc.double() - want).abs().max().item() < 1e-3:
+                mode = "mm_out_dtype"
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass
+    _MM_ACC_MODE = mode
+    return mode
+
+
+def mm_acc(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` with fp32 (or fp64) accumulation whatever the dtype of a and b."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    mode = _mm_acc_mode(acc.device)
+    if mode == "addmm_out_dtype":
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    elif mode == "mm_out_dtype":
+        acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
