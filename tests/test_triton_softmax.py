@@ -108,7 +108,8 @@ def test_lse_grad(dtype, which):
 
 @pytest.mark.parametrize(
     "tune",
-    [{}, {"one_exp": 1}, {"ds_one_exp": 1}, {"flat": 1}, {"flat": 1, "one_exp": 1}, {"kmajor": 1}],
+    [{}, {"one_exp": 1}, {"ds_one_exp": 1}, {"flat": 1}, {"flat": 1, "one_exp": 1}, {"kmajor": 1},
+     {"products": "pair"}, {"products": "pair", "kmajor": 1}, {"products": "cublas"}],
     ids=str,
 )
 @pytest.mark.parametrize("spread", [False, True], ids=["close", "spread"])
@@ -349,6 +350,11 @@ def test_gpu_infonce_labels_and_nan():
         (torch.float32, {"flat": 1}),
         (torch.float32, {"one_exp": 1, "ds_one_exp": 1}),
         (torch.float32, {"kmajor": 0}),
+        (torch.bfloat16, {"products": "separate"}),
+        (torch.bfloat16, {"products": "pair"}),
+        (torch.bfloat16, {"products": "cublas"}),
+        (torch.float16, {"products": "cublas"}),
+        (torch.float32, {"products": "pair"}),
     ],
     ids=str,
 )
@@ -365,6 +371,20 @@ def test_gpu_variants(dtype, tune):
     assert_rel(loss, ref, tol, "loss")
     assert_rel(q.grad, q64.grad, tol, "d image")
     assert_rel(k.grad, k64.grad, tol, "d text")
+
+
+@pytest.mark.gpu
+def test_gpu_cublas_products_refuse_fp32():
+    q = features(64, 32, dtype=torch.float32, device="cuda", seed=1)
+    be, s = TritonTiles(tune={"products": "cublas"}), torch.tensor(10.0, device="cuda")
+    lr, lc = be.lse(q, q, s, rows=True, cols=True)
+    with pytest.raises(ValueError, match="products='cublas' needs float16/bfloat16"):
+        be.lse_grad(q, q, s, lr, lc, torch.ones_like(lr), torch.ones_like(lc))
+
+
+def test_unknown_products_value_is_refused():
+    with pytest.raises(ValueError, match=r"tune\['products'\] must be one of"):
+        TritonTiles(tune={"products": "magic"})
 
 
 @pytest.mark.gpu

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -29,10 +29,12 @@ import triton.language as tl
 
 from . import triton_interpreted
 from .base import compute_dtype
-from .triton_softmax_bwd import dlogits_kernel, matmul_acc_kernel
+from .gemm import mm_acc
+from .triton_softmax_bwd import dlogits_kernel, matmul_acc_kernel, matmul_acc_pair_kernel
 from .triton_softmax_fwd import lse_fwd_kernel
 
 _PRECISIONS = ("tf32", "ieee")
+_PRODUCTS = ("separate", "pair", "cublas")
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _LN2 = math.log(2.0)
@@ -67,6 +69,9 @@ class _Config:
     ds_one_exp: int = 0  # backward dS kernel: 1 = one exp2 per logit (outer-product form, exact fallback)
     flat: int = 0  # forward: one flattened (tile, D chunk) loop
     kmajor: int = 0  # backward products read K-major operands (dS.T copy, transposed q/k chunks)
+    # backward products: "separate" (two Triton launches), "pair" (both in one Triton launch),
+    # "cublas" (two cuBLAS GEMMs with fp32 output; half inputs only, fp32 uses the Triton path)
+    products: str = "separate"
 
 
 def _gpu_config(dtype: torch.dtype, device: torch.device) -> _Config:
@@ -124,7 +129,7 @@ class TritonTiles:
     block_n: Optional[int] = None
     block_d: Optional[int] = None
     super_tile: Optional[Tuple[int, int]] = None
-    tune: Optional[Dict[str, int]] = field(default=None, compare=False, hash=False)
+    tune: Optional[Dict[str, Any]] = field(default=None, compare=False, hash=False)
     name: str = "triton"
 
     def __post_init__(self) -> None:
@@ -142,6 +147,9 @@ class TritonTiles:
         unknown = set(self.tune or {}) - set(_Config.__dataclass_fields__)
         if unknown:
             raise ValueError(f"TritonTiles: unknown tune keys {sorted(unknown)}; known: {sorted(_Config.__dataclass_fields__)}")
+        products = (self.tune or {}).get("products", "separate")
+        if products not in _PRODUCTS:
+            raise ValueError(f"TritonTiles: tune['products'] must be one of {_PRODUCTS}, got {products!r}")
 
     # ------------------------------------------------------------------ helpers
     def supports(self, device: torch.device) -> bool:
@@ -258,18 +266,37 @@ class TritonTiles:
         ws_t = torch.empty((tn, tm), dtype=ws_dtype, device=q.device) if kmajor else ws
         dk_acc = torch.empty((tn, d), dtype=torch.float32, device=q.device)
 
-        def matmul_acc(a: Tensor, bm: Tensor, c: Tensor) -> None:
-            """c += a @ bm (c fp32, contiguous rows)."""
-            m_, k_ = a.shape
-            n_ = bm.shape[1]
-            grid = (triton.cdiv(m_, cfg.mm_block_m) * triton.cdiv(n_, cfg.mm_block_n),)
-            matmul_acc_kernel[grid](
-                a, bm, c, m_, n_, k_,
-                a.stride(0), a.stride(1), bm.stride(0), bm.stride(1), c.stride(0),
-                BLOCK_M=cfg.mm_block_m, BLOCK_N=cfg.mm_block_n, BLOCK_K=cfg.mm_block_k, GROUP_M=8,
-                DOT_DTYPE=mm_dtype, PRECISION=mm_precision,
-                num_warps=cfg.mm_warps, num_stages=cfg.mm_stages,
+        mm_opts = dict(
+            BLOCK_M=cfg.mm_block_m, BLOCK_N=cfg.mm_block_n, BLOCK_K=cfg.mm_block_k, GROUP_M=8,
+            DOT_DTYPE=mm_dtype, PRECISION=mm_precision, num_warps=cfg.mm_warps, num_stages=cfg.mm_stages,
+        )
+        products = cfg.products
+        if products == "cublas" and ws_dtype == torch.float32 and q.is_cuda:
+            raise ValueError(
+                "TritonTiles: products='cublas' needs float16/bfloat16 inputs on a GPU (cuBLAS fp32 GEMMs "
+                "follow torch's global TF32 flag, not precision=); use 'separate' or 'pair'"
             )
+
+        def tiles(m_: int) -> int:
+            return triton.cdiv(m_, cfg.mm_block_m) * triton.cdiv(d, cfg.mm_block_n)
+
+        def products_acc(a1: Tensor, b1: Tensor, c1: Tensor, a2: Tensor, b2: Tensor, c2: Tensor) -> None:
+            """c1 += a1 @ b1 and c2 += a2 @ b2 (c fp32 with contiguous rows, N = D for both)."""
+            if products == "cublas":
+                mm_acc(c1, a1, b1)
+                mm_acc(c2, a2, b2)
+            elif products == "pair":
+                matmul_acc_pair_kernel[(tiles(a1.shape[0]) + tiles(a2.shape[0]),)](
+                    a1, b1, c1, a1.shape[0], a1.shape[1], a1.stride(0), a1.stride(1), b1.stride(0), b1.stride(1), c1.stride(0),
+                    a2, b2, c2, a2.shape[0], a2.shape[1], a2.stride(0), a2.stride(1), b2.stride(0), b2.stride(1), c2.stride(0),
+                    d, **mm_opts,
+                )
+            else:
+                for a, bm, c in ((a1, b1, c1), (a2, b2, c2)):
+                    matmul_acc_kernel[(tiles(a.shape[0]),)](
+                        a, bm, c, a.shape[0], d, a.shape[1],
+                        a.stride(0), a.stride(1), bm.stride(0), bm.stride(1), c.stride(0), **mm_opts,
+                    )
 
         for j0 in range(0, n, tn):
             nj = min(tn, n - j0)
@@ -295,8 +322,8 @@ class TritonTiles:
                     num_warps=cfg.ds_warps, num_stages=cfg.ds_stages,
                 )
                 qi_b = qi.t().contiguous().t() if kmajor else qi
-                matmul_acc(ws_ij, kj_b, dq_acc[i0 : i0 + ni])  # dq_i += dS @ k_j
-                matmul_acc(ws_t_ij, qi_b, acc_j)  # dk_j += dS.T @ q_i
+                # dq_i += dS @ k_j and dk_j += dS.T @ q_i
+                products_acc(ws_ij, kj_b, dq_acc[i0 : i0 + ni], ws_t_ij, qi_b, acc_j)
             # d_scale = sum_ij dS_ij (q_i . k_j) = sum_j k_j . (dS.T @ q)_j: O(nj*D), no tile pass.
             d_scale += torch.dot(kj.reshape(-1).to(torch.float32), acc_j.reshape(-1))
             dk[j0 : j0 + nj] = acc_j.mul_(scale).to(grad_dtype)

@@ -92,16 +92,13 @@ def dlogits_kernel(
 
 
 @triton.jit
-def matmul_acc_kernel(
-    a_ptr, b_ptr, c_ptr, M, N, K,
+def _matmul_acc_tile(
+    a_ptr, b_ptr, c_ptr, M, N, K, pid,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """``c[M, N] += a[M, K] @ b[K, N]`` with ``c`` fp32 (unit column stride) and fp32 accumulation;
-    ``a`` and ``b`` are cast to ``DOT_DTYPE`` for the dot (any strides, so ``a`` may be a
-    transposed view)."""
-    pid = tl.program_id(0)
+    """Output tile number ``pid`` of ``c[M, N] += a[M, K] @ b[K, N]`` (grouped tile order)."""
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     # Grouped ordering: programs that run together share rows of a and columns of b in L2.
@@ -129,3 +126,48 @@ def matmul_acc_kernel(
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     cmask = mmask[:, None] & nmask[None, :]
     tl.store(c_ptrs, tl.load(c_ptrs, mask=cmask, other=0.0) + acc, mask=cmask)
+
+
+@triton.jit
+def matmul_acc_kernel(
+    a_ptr, b_ptr, c_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``c[M, N] += a[M, K] @ b[K, N]`` with ``c`` fp32 (unit column stride) and fp32 accumulation;
+    ``a`` and ``b`` are cast to ``DOT_DTYPE`` for the dot (any strides, so ``a`` may be a
+    transposed view). One program per output tile."""
+    _matmul_acc_tile(
+        a_ptr, b_ptr, c_ptr, M, N, K, tl.program_id(0),
+        stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_DTYPE, PRECISION,
+    )
+
+
+@triton.jit
+def matmul_acc_pair_kernel(
+    a1_ptr, b1_ptr, c1_ptr, M1, K1, stride_a1m, stride_a1k, stride_b1k, stride_b1n, stride_c1m,
+    a2_ptr, b2_ptr, c2_ptr, M2, K2, stride_a2m, stride_a2k, stride_b2k, stride_b2n, stride_c2m,
+    N,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Both backward products of a super-tile in ONE launch: ``c1 += a1 @ b1`` (M1 x N, depth K1)
+    and ``c2 += a2 @ b2`` (M2 x N, depth K2). Each product alone has only ``TM*D/(BM*BN)`` output
+    tiles (128 at 4096 x 512 with 128 x 128 tiles: one partial wave on 132 SMs); together they
+    fill the GPU twice as well. Programs ``[0, tiles1)`` do the first product, the rest the second."""
+    pid = tl.program_id(0)
+    tiles1 = tl.cdiv(M1, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    if pid < tiles1:
+        _matmul_acc_tile(
+            a1_ptr, b1_ptr, c1_ptr, M1, N, K1, pid,
+            stride_a1m, stride_a1k, stride_b1k, stride_b1n, stride_c1m,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_DTYPE, PRECISION,
+        )
+    else:
+        _matmul_acc_tile(
+            a2_ptr, b2_ptr, c2_ptr, M2, N, K2, pid - tiles1,
+            stride_a2m, stride_a2k, stride_b2k, stride_b2n, stride_c2m,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_DTYPE, PRECISION,
+        )
