@@ -27,11 +27,12 @@ def _global_batch(sizes, with_labels, seed=1):
     return q, k, labels
 
 
-def _run_case(rank, sizes, with_labels, backend_name, dtype):
+def _run_case(rank, sizes, with_labels, backend_name, dtype, chunk_rows=None):
     import torch.distributed as dist
 
     import bigbatch
     from bigbatch.backends.torch_sigmoid import TorchSigmoid
+    from bigbatch.distributed.sigmoid import ring_siglip_loss
 
     q, k, labels = _global_batch(sizes, with_labels)
     off = sum(sizes[:rank])
@@ -41,14 +42,17 @@ def _run_case(rank, sizes, with_labels, backend_name, dtype):
     log_scale = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
     bias = torch.tensor(-2.0, dtype=torch.float64, requires_grad=True)
     backend = TorchSigmoid(tile_rows=3, tile_cols=2) if backend_name == "tiles" else backend_name
-    loss = bigbatch.SigLipLoss(group=dist.group.WORLD, backend=backend)(
-        ql, kl, log_scale.exp(), bias, labels=None if labels is None else labels[sl]
-    )
+    lab = None if labels is None else labels[sl]
+    if chunk_rows is None:  # the public entry points, the memory rule's chunks
+        loss = bigbatch.SigLipLoss(group=dist.group.WORLD, backend=backend)(ql, kl, log_scale.exp(), bias, labels=lab)
+    else:  # forced small chunks: several per block, tails, empty chunks of small blocks
+        loss = ring_siglip_loss(
+            ql, kl, log_scale.exp(), bias, labels=lab, group=dist.group.WORLD, backend=backend, chunk_rows=chunk_rows
+        )
     loss.backward()
     with torch.no_grad():  # the loss-only ring pass gives the same value
-        loss_ng = bigbatch.siglip_loss(
-            ql, kl, log_scale.exp(), bias, labels=None if labels is None else labels[sl], group=dist.group.WORLD,
-            backend=backend,
+        loss_ng = ring_siglip_loss(
+            ql, kl, log_scale.exp(), bias, labels=lab, group=dist.group.WORLD, backend=backend, chunk_rows=chunk_rows
         )
     return loss.detach(), loss_ng, ql.grad, kl.grad, log_scale.grad, bias.grad
 
@@ -70,11 +74,11 @@ def _neighbour_exchange_case(rank, world):
     return loss.detach(), loss.detach(), ql.grad, kl.grad, log_scale.grad, bias.grad
 
 
-def _weighted_case(rank, world, sizes):
+def _weighted_case(rank, world, sizes, chunk_rows=None):
     """Ranks back-propagate different upstream gradients (loss_r * (r + 1))."""
     import torch.distributed as dist
 
-    import bigbatch
+    from bigbatch.distributed.sigmoid import ring_siglip_loss
 
     q, k, labels = _global_batch(sizes, True)
     off = sum(sizes[:rank])
@@ -82,7 +86,9 @@ def _weighted_case(rank, world, sizes):
     ql, kl = q[sl].clone().requires_grad_(), k[sl].clone().requires_grad_()
     log_scale = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
     bias = torch.tensor(-2.0, dtype=torch.float64, requires_grad=True)
-    loss = bigbatch.siglip_loss(ql, kl, log_scale.exp(), bias, labels=labels[sl], group=dist.group.WORLD, backend="torch")
+    loss = ring_siglip_loss(
+        ql, kl, log_scale.exp(), bias, labels=labels[sl], group=dist.group.WORLD, backend="torch", chunk_rows=chunk_rows
+    )
     (loss * (rank + 1)).backward()
     return loss.detach(), loss.detach(), ql.grad, kl.grad, log_scale.grad, bias.grad
 
@@ -92,7 +98,7 @@ def _worker(rank, world, cases):
     return (
         [_run_case(rank, *case) for case in cases]
         + [_neighbour_exchange_case(rank, world)]
-        + [_weighted_case(rank, world, WEIGHTED_SIZES[world])]
+        + [_weighted_case(rank, world, WEIGHTED_SIZES[world], chunk) for chunk in (None, 2)]
     )
 
 
@@ -114,12 +120,25 @@ def _check(results, sizes, with_labels, tol):
     assert_rel(mean(5), bias.grad, tol, "d bias (averaged)")
 
 
+# (sizes, labels?, backend, dtype, tolerance, chunk_rows): None = the memory rule (one chunk per
+# block at these sizes); small values give several chunks per block, tails, and (blocks smaller
+# than the chunk count) empty chunks, whose transfers every rank must skip alike.
 CASES = {
-    2: [([5, 3], False, "tiles", torch.float64, 1e-12), ([2, 6], True, "auto", torch.float32, 1e-5)],
+    2: [
+        ([5, 3], False, "tiles", torch.float64, 1e-12, None),
+        ([2, 6], True, "auto", torch.float32, 1e-5, None),
+        ([7, 2], False, "tiles", torch.float64, 1e-12, 2),
+        ([5, 6], True, "torch", torch.float64, 1e-12, 4),
+        ([9, 4], True, "triton", torch.float32, 1e-5, 3),
+        ([3, 5], False, "triton", torch.float16, 5e-3, 2),  # (the interpreter mishandles bf16)
+    ],
     3: [
-        ([4, 1, 6], True, "tiles", torch.float64, 1e-12),
-        ([3, 3, 3], False, "tiles", torch.float64, 1e-12),
-        ([6, 2, 5], True, "auto", torch.float32, 1e-5),
+        ([4, 1, 6], True, "tiles", torch.float64, 1e-12, None),
+        ([3, 3, 3], False, "tiles", torch.float64, 1e-12, None),
+        ([6, 2, 5], True, "auto", torch.float32, 1e-5, None),
+        ([4, 1, 6], True, "tiles", torch.float64, 1e-12, 2),
+        ([5, 8, 3], False, "torch", torch.float64, 1e-12, 1),
+        ([6, 2, 7], True, "triton", torch.float32, 1e-5, 3),
     ],
 }
 
@@ -127,10 +146,11 @@ CASES = {
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_matches_single_process(world):
     cases = CASES[world]
-    per_rank = run_gloo(_worker, world, [c[:4] for c in cases])
-    for i, (sizes, with_labels, _, _, tol) in enumerate(cases):
+    per_rank = run_gloo(_worker, world, [c[:4] + c[5:] for c in cases])
+    for i, (sizes, with_labels, _, _, tol, _) in enumerate(cases):
         _check([r[i] for r in per_rank], sizes, with_labels, tol)
-    _check([r[-2] for r in per_rank], [4] * world, False, 1e-12)
+    _check([r[-3] for r in per_rank], [4] * world, False, 1e-12)
+    _check_weighted([r[-2] for r in per_rank], WEIGHTED_SIZES[world])
     _check_weighted([r[-1] for r in per_rank], WEIGHTED_SIZES[world])
 
 

@@ -8,7 +8,7 @@ when no accumulator is given). Workspace: a few tiles in the compute dtype; neve
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 import torch
@@ -58,17 +58,33 @@ def check_ids(q_ids: Optional[Tensor], k_ids: Optional[Tensor], m: int, n: int) 
 
 @dataclass(frozen=True)
 class TorchSigmoid:
-    """Tiled sigmoid loss and gradients with ordinary torch ops (``None`` tiles: automatic)."""
+    """Tiled sigmoid loss and gradients with ordinary torch ops (``None`` tiles: automatic).
+
+    ``workspace_bytes``: budget of one automatic tile step (``None``: ``_AUTO_WORKSPACE_BYTES`` for
+    the device); the ring lowers it by the bytes of its own buffers. Fixed tile sides win over it.
+    """
 
     tile_rows: Optional[int] = None
     tile_cols: Optional[int] = None
     name: str = "torch"
+    workspace_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
+        w = self.workspace_bytes
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ValueError(f"TorchSigmoid: workspace_bytes must be a positive int or None, got {w!r}")
 
     def supports(self, device: torch.device) -> bool:
         return True
+
+    def workspace_budget(self, device: torch.device) -> int:
+        """Bytes one automatic tile step may take on ``device`` (``workspace_bytes`` or the default)."""
+        return self.workspace_bytes or _AUTO_WORKSPACE_BYTES.get(device.type, 64 << 20)
+
+    def with_workspace(self, nbytes: int) -> "TorchSigmoid":
+        """This backend with a tile-step budget of ``nbytes`` (the ring's share of the memory rule)."""
+        return replace(self, workspace_bytes=max(1, int(nbytes)))
 
     def sigmoid_pass(
         self,
@@ -86,7 +102,8 @@ class TorchSigmoid:
         ct = compute_dtype(q.dtype)
         m, n = q.shape[0], k.shape[0]
         check_ids(q_ids, k_ids, m, n)
-        rows, cols = auto_tile(m, n, q.shape[1], q.dtype, q.device, tiles=4, budget_bytes=_AUTO_WORKSPACE_BYTES)
+        budget = {q.device.type: self.workspace_budget(q.device)}
+        rows, cols = auto_tile(m, n, q.shape[1], q.dtype, q.device, tiles=4, budget_bytes=budget)
         tr, tc = self.tile_rows or rows, self.tile_cols or cols
         loss = torch.zeros((), dtype=ct, device=q.device)
         g_sum = torch.zeros((), dtype=ct, device=q.device)

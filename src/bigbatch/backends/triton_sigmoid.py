@@ -11,12 +11,13 @@ Per workspace tile (``tile_rows x tile_cols`` of the M x N logits), one pass:
 FLOPs: 2*M*N*D in the kernel + 4*M*N*D in the GEMMs = 6*M*N*D (2*M*N*D without gradients).
 Memory traffic beyond the GEMMs' operands: G written once and read twice (6 bytes per logit in
 bf16), against 6*D FLOPs per logit: compute-bound for D >= 64 on an H200.
-Workspace: one G tile (512 MiB by default on a GPU) and O(#programs) partials; never M x N.
+Workspace: one G tile (512 MiB by default on a GPU, ``workspace_bytes``) and O(#programs) partials;
+never M x N.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 import torch
@@ -149,6 +150,10 @@ class TritonSigmoid:
     ``fast_math``: on NVIDIA GPUs (PTX inline assembly; ignored on ROCm), exp2/reciprocal/log2 by single MUFU instructions (``*.approx.ftz``,
     errors ~2^-22, far below bf16/tf32 input rounding) instead of libdevice; the interpreter
     always uses the exact forms.
+    ``workspace_bytes``: budget of the automatic G tile (``None``: ``_AUTO_TILE_BYTES`` for the
+    device, 512 MiB on a GPU). The ring (:mod:`bigbatch.distributed.sigmoid`) lowers it by the bytes
+    of its own buffers, so that one GPU and one rank of a ring use the same transient memory.
+    Ignored for a side given by ``tile_rows``/``tile_cols``.
     """
 
     tile_rows: Optional[int] = None
@@ -157,9 +162,10 @@ class TritonSigmoid:
     block: Optional[Tuple[int, ...]] = None
     fast_math: bool = True
     name: str = "triton"
+    workspace_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
-        for arg in ("tile_rows", "tile_cols"):
+        for arg in ("tile_rows", "tile_cols", "workspace_bytes"):
             value = getattr(self, arg)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"TritonSigmoid: {arg} must be a positive int or None, got {value!r}")
@@ -182,11 +188,23 @@ class TritonSigmoid:
             return (128, 128, 32, 8, 3, 0)
         return (128, 128, 64, 8, 3, 0)
 
+    def workspace_budget(self, device: torch.device) -> int:
+        """Bytes the automatic G tile may take on ``device`` (``workspace_bytes`` or the default)."""
+        return self.workspace_bytes or _AUTO_TILE_BYTES.get(device.type, 1 << 26)
+
+    def with_workspace(self, nbytes: int) -> "TritonSigmoid":
+        """This backend with a G-tile budget of ``nbytes`` (the ring's share of the memory rule)."""
+        return replace(self, workspace_bytes=max(1, int(nbytes)))
+
     def _tiles(self, m: int, n: int, itemsize: int, device: torch.device) -> Tuple[int, int]:
-        budget = _AUTO_TILE_BYTES.get(device.type, 1 << 26) // itemsize
-        side = 1 << (max(budget, 1).bit_length() // 2)
+        # A near-square tile of at most ``budget`` elements; when N is narrower than the square
+        # (the ring's column chunks), the rows grow so that the tile still fills the budget.
+        budget = max(1, self.workspace_budget(device) // itemsize)
+        side = 1 << (budget.bit_length() // 2)
         rows = self.tile_rows or max(1, min(m, side))
         cols = self.tile_cols or max(1, min(n, budget // rows))
+        if self.tile_rows is None:
+            rows = max(rows, min(m, budget // cols))
         return rows, cols
 
     def sigmoid_pass(

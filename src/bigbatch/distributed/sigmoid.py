@@ -1,14 +1,34 @@
-"""The sigmoid (SigLIP) loss over a ring of ranks, with memory O(b_local * D) per rank.
+"""The sigmoid (SigLIP) loss over a ring of ranks, in the transient memory of one GPU.
 
-Each rank holds a shard of the image/text pairs (shards may differ in size). The text blocks
-travel around the ring (:meth:`Ring.shift`, overlapped with compute); at every step this rank
-runs one backend pass of its images against the visiting block, which yields the loss, adds
-``G @ k`` into its own ``dq`` and produces the block's ``dk`` contribution. That contribution
-is added to the partial ``dk`` received from the previous rank and sent on with the block, so
-after ``world`` steps each block's complete ``dk`` arrives back at its owner. Everything is
-done in the forward pass (no global statistic is needed); the backward only scales the kept
-gradients. Per rank: two text blocks, two fp32 ``dk``-sized buffers and ``dq``, whatever
-the number of ranks (OpenCLIP's neighbour exchange keeps every step's logits for autograd).
+Each rank holds a shard of the image/text pairs (shards may differ in size). This rank's images
+``q`` (b x D) meet every text block; the sigmoid loss needs no global statistic, so one pass
+gives the loss, ``dq`` (accumulated here) and every block's ``dk`` contribution (which must reach
+the block's owner). Everything is done in the forward pass; the backward scales what was kept.
+
+Schedule (:class:`RingPlan`): every block ``j`` is cut into the same number ``C`` of near-equal
+row chunks (``chunk(n_j, c)``; every rank knows ``sizes``, so all agree without messages).
+Position ``(c, s)`` for ``c < C``, ``s < world``: this rank computes its images against chunk
+``c`` of block ``ring.block_at(s)`` (its own at ``s = 0``). Chunk ``c`` of a block visits the
+ranks in ring order at consecutive positions, so at every position each rank:
+
+* sends the text chunk it computes on to ``next`` and receives the one of its next position from
+  ``prev`` (it does not depend on compute: overlapped with this position's compute);
+* computes its ``dk`` contribution into a zeroed fp32 slot while the block's partial ``dk`` for
+  this chunk (from ranks ``j .. rank-1``) arrives from ``prev``; then adds the two and sends the
+  sum during the NEXT position (also overlapped). After the ``world``-th rank it is complete and
+  lands in the owner's ``dk`` (at ``s = 0`` of the next round, or one final shift).
+
+One :meth:`Ring.shift` per position pairs send-to-next with receive-from-prev; its messages are
+[text chunk (+ ids chunk), previous dk result] and [next text chunk (+ ids), this dk partial] in
+that order on every rank, and a rank sends a message exactly when its ``next`` expects it (same
+chunk of the same block, same emptiness), so posting orders match for NCCL and gloo.
+
+Memory per rank (the issue-7 rule, :func:`plan_ring`): one GPU at local batch ``b`` holds fp32
+``dq`` + ``dk`` (b x D each) + the backend's workspace ``W``. A rank holds ``dq`` + its own
+block's ``dk`` + slots of ``chunk_rows`` rows -- text chunks (1 slot with 2 ranks, 2 with more;
++ their int64 ids with ``labels``) and 3 fp32 dk chunks (computing, arriving, leaving) -- + the
+backend's workspace, which the ring lowers to ``W' = W - slots``. So the total equals one GPU's
+whatever the number of ranks. FLOPs per rank: ``6 * b * B * D`` (B global), as on one GPU.
 
 Value and gradients (OpenCLIP's convention, correct also for uneven shards): rank r returns
 ``world / B * sum_{i in r, all j} l_ij``. The mean over ranks of the returned values is the
@@ -18,7 +38,9 @@ single-process gradients for the features, the scale and the bias.
 
 from __future__ import annotations
 
-from typing import List, Optional
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -28,6 +50,83 @@ from .._validate import check_pair, prepare_scalar
 from ..backends.base import SigmoidBackend, compute_dtype
 from ..sigmoid_loss import check_class_ids, resolve_sigmoid_backend
 from .ring import Ring, agree, dtype_code
+
+# The memory rule. W = the backend's workspace budget on one GPU (``backend.workspace_budget``;
+# TritonSigmoid: 512 MiB of G tile on a GPU; TorchSigmoid: 1 GiB of tile temporaries).
+# The ring's slots take at most W / _RING_SHARE ...
+_RING_SHARE = 2
+# ... but a chunk has at least this many rows (or the whole block): narrower column chunks run the
+# tile kernel and the two GEMMs far below their rate and stop hiding a chunk's p2p latency (~10 us).
+_MIN_CHUNK_ROWS = 1024
+# ... and the backend keeps at least W / _MIN_BACKEND_SHARE (its tiles shrink, never vanish).
+_MIN_BACKEND_SHARE = 4
+# W assumed for a backend object that does not report one (it is then not told a smaller one).
+_DEFAULT_WORKSPACE = 256 << 20
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """How one call splits the ring's work and memory (a pure function of agreed metadata).
+
+    Bytes: ``slot_bytes`` for the ring's chunk buffers, ``backend_workspace`` (W') for the backend,
+    out of the one-GPU budget ``workspace`` (W). ``slot_bytes + backend_workspace <= workspace``
+    unless the floors bite: ``_MIN_CHUNK_ROWS`` rows of slots above ``W (1 - 1/_MIN_BACKEND_SHARE)``,
+    i.e. with W = 512 MiB only for D > ~4900 (fp32 features, 3+ ranks), or an explicit
+    ``chunk_rows`` that large; then the ring exceeds one GPU by the difference.
+    """
+
+    world: int
+    chunks: int  # C: every block is cut into C row chunks (the same C on every rank)
+    chunk_rows: int  # rows of the largest chunk, = ceil(max(sizes) / C): the size of every slot
+    k_slots: int  # text-chunk slots: 0 (world 1), 1 (world 2), 2 (world >= 3)
+    dk_slots: int  # fp32 dk-chunk slots: 3 with gradients on a ring of 2+, else 0
+    row_bytes: int  # bytes of one row of all slots together
+    slot_bytes: int  # chunk_rows * row_bytes
+    workspace: int  # W: the backend's one-GPU workspace budget
+    backend_workspace: int  # W': what the backend is told it may use
+
+    def chunk(self, n: int, c: int) -> slice:
+        """Rows of chunk ``c`` of a block of ``n`` rows (near-equal parts; some empty if n < C)."""
+        return slice(c * n // self.chunks, (c + 1) * n // self.chunks)
+
+
+def plan_ring(
+    sizes: Sequence[int],
+    d: int,
+    dtype: torch.dtype,
+    *,
+    with_grad: bool,
+    workspace: int,
+    id_itemsize: int = 0,
+    chunk_rows: Optional[int] = None,
+) -> RingPlan:
+    """The chunking and the memory split of one ring call (see :class:`RingPlan`).
+
+    ``sizes``: rows per rank; ``d``: feature dim; ``dtype``: the features' dtype; ``workspace``: W;
+    ``id_itemsize``: bytes per class id travelling with the text (0 without labels);
+    ``chunk_rows``: force the chunk size (tests, tuning) instead of the rule.
+    """
+    world, bmax = len(sizes), max(int(n) for n in sizes)
+    ct = compute_dtype(dtype).itemsize
+    k_slots = min(2, world - 1)
+    dk_slots = 3 if (with_grad and world > 1) else 0
+    row_bytes = k_slots * (d * torch.empty((), dtype=dtype).element_size() + id_itemsize) + dk_slots * d * ct
+    if world == 1:
+        return RingPlan(1, 1, bmax, 0, 0, row_bytes, 0, workspace, workspace)
+    if chunk_rows is None:
+        chunk_rows = max(_MIN_CHUNK_ROWS, workspace // _RING_SHARE // max(row_bytes, 1))
+    rows = max(1, min(bmax, int(chunk_rows)))
+    chunks = -(-bmax // rows)
+    rows = -(-bmax // chunks)  # the largest chunk actually cut: ceil(bmax / C) <= the asked rows
+    slot_bytes = rows * row_bytes
+    backend = max(workspace - slot_bytes, workspace // _MIN_BACKEND_SHARE)
+    return RingPlan(world, chunks, rows, k_slots, dk_slots, row_bytes, slot_bytes, workspace, backend)
+
+
+def transient_bytes(b: int, d: int, dtype: torch.dtype, plan: RingPlan) -> int:
+    """Bytes a rank allocates beyond its inputs in a forward with gradients: fp32 ``dq`` and own
+    ``dk`` (b x D each) + slots + the backend's workspace (one GPU: ``plan_ring`` with one size)."""
+    return 2 * b * d * compute_dtype(dtype).itemsize + plan.slot_bytes + plan.backend_workspace
 
 
 def _ring_pass(
@@ -39,78 +138,112 @@ def _ring_pass(
     scale: Tensor,
     bias: Tensor,
     backend: SigmoidBackend,
+    plan: RingPlan,
     with_grad: bool,
     *,
     with_dq: bool = True,
     dk_weight: Optional[Tensor] = None,
+    stats: Optional[Dict[str, int]] = None,
 ):
     """Loss sum and (unscaled) ``dq``, own-block ``dk``, ``sum G`` over all blocks of the ring.
 
     ``dk_weight``: this rank's contributions to the travelling ``dk`` are multiplied by it (the
     backward's re-run when ranks' upstream gradients differ). ``with_dq=False`` skips ``dq``.
+    ``stats`` (tests): receives the bytes of the slots this call allocated.
     """
     ct = compute_dtype(q.dtype)
-    world, b, d = ring.world, q.shape[0], q.shape[1]
-    bmax = max(sizes)
-    # Two text blocks (the one computed on and sent, the one arriving) and two fp32 dk blocks
-    # (the partial accumulated and sent on, the next one arriving): 2*bmax*D*(itemsize + 4) bytes.
-    k_bufs = [k.new_empty((bmax, d)) for _ in range(2)] if world > 1 else []
-    id_bufs = [ids.new_empty((bmax,)) for _ in range(2)] if (world > 1 and ids is not None) else []
+    world, rank = ring.world, ring.rank
+    q, k = q.contiguous(), k.contiguous()
+    b, d = q.shape
     dq = torch.zeros((b, d), dtype=ct, device=q.device) if (with_grad and with_dq) else None
-    dk_bufs = [torch.empty((bmax, d), dtype=ct, device=q.device) for _ in range(2)] if with_grad else []
     loss = torch.zeros((), dtype=ct, device=q.device)
     g_sum = torch.zeros((), dtype=ct, device=q.device)
-    k_cur, ids_cur = k, ids
-    dk_pending = None  # the dk shift posted after the previous step
-    for t in range(world):
-        src = ring.block_at(t)
-        n = sizes[src]
-        k_pending = None
-        if t + 1 < world:
-            n_next = sizes[ring.block_at(t + 1)]
-            send, recv = [k_cur], [k_bufs[t % 2][:n_next]]
-            if ids is not None:
-                send.append(ids_cur)
-                recv.append(id_bufs[t % 2][:n_next])
-            k_pending = ring.shift(send, recv)
-        dk_loc = None
-        if with_grad:
-            if dk_pending is None:
-                dk_loc = dk_bufs[0][:n].zero_()
-            else:
-                # The partial dk of block ``src`` from ranks src .. rank-1 (sent by prev after its
-                # step t-1); our contribution is added in place. Waiting here costs one dk transfer
-                # per step, small next to the step's b*n*D compute.
-                dk_loc = dk_pending.wait()[0]
-        acc = dk_loc
-        if dk_weight is not None:
-            acc = torch.zeros_like(dk_loc)
-        step_loss, step_g = backend.sigmoid_pass(
-            q,
-            k_cur,
-            scale,
-            bias,
-            q_ids=ids,
-            k_ids=ids_cur,
-            diagonal=0 if src == ring.rank else None,
-            dq_acc=dq,
-            dk_acc=acc,
-        )
-        loss += step_loss
-        g_sum += step_g
-        if with_grad:
-            if dk_weight is not None:
-                dk_loc.add_(acc.mul_(dk_weight))
-            # Send it on: prev's step-t block is ours at t+1; after step world-1 it reaches its owner.
-            # The receive buffer is the one whose send (posted at step t-1) completed in the wait above.
-            dk_pending = ring.shift([dk_loc], [dk_bufs[(t + 1) % 2][: sizes[ring.block_at(t + 1)]]])
-        if k_pending is not None:
-            recv = k_pending.wait()
-            k_cur = recv[0]
-            ids_cur = recv[1] if ids is not None else None
-    dk = None
+    if world == 1:
+        dk = torch.zeros((b, d), dtype=ct, device=q.device) if with_grad else None
+        loss, g_sum = backend.sigmoid_pass(q, k, scale, bias, q_ids=ids, k_ids=ids, diagonal=0, dq_acc=dq, dk_acc=dk)
+        if dk is not None and dk_weight is not None:
+            dk.mul_(dk_weight)
+        return loss, dq, dk, g_sum
+    # Every row of the own dk is written once by an arriving complete chunk: no zero fill needed.
+    dk = torch.empty((b, d), dtype=ct, device=q.device) if with_grad else None
+    rows = plan.chunk_rows
+    k_pool = [k.new_empty((rows, d)) for _ in range(plan.k_slots)]
+    id_pool = [ids.new_empty((rows,)) for _ in range(plan.k_slots)] if ids is not None else []
+    dk_free = [torch.empty((rows, d), dtype=ct, device=q.device) for _ in range(plan.dk_slots if with_grad else 0)]
+    if stats is not None:
+        stats["slot_bytes"] = sum(t.numel() * t.element_size() for t in k_pool + id_pool + dk_free)
+    own = sizes[rank]
+    out: Optional[Tensor] = None  # the previous position's dk result (a dk slot view), sent now
+    out_slot: Optional[Tensor] = None
+    kx: Optional[Tensor] = None
+    ix: Optional[Tensor] = None
+    for c in range(plan.chunks):
+        for s in range(world):
+            j = ring.block_at(s)
+            x = plan.chunk(sizes[j], c)
+            n = x.stop - x.start
+            if s == 0:  # our own block: the inputs themselves
+                kx, ix = k[x], (ids[x] if ids is not None else None)
+            send: List[Tensor] = []
+            recv: List[Tensor] = []
+            nn = 0
+            if s < world - 1:
+                # Text chunk c of block j goes to next (its position (c, s + 1)); prev's arrives for ours.
+                xn = plan.chunk(sizes[ring.block_at(s + 1)], c)
+                nn = xn.stop - xn.start
+                if n:
+                    send += [kx] + ([ix] if ids is not None else [])
+                if nn:
+                    recv += [k_pool[s % 2][:nn]] + ([id_pool[s % 2][:nn]] if ids is not None else [])
+            in_slot: Optional[Tensor] = None
+            if with_grad:
+                if out is not None:
+                    send.append(out)
+                if s >= 1 and n:  # the partial dk of this chunk from ranks j .. rank-1
+                    in_slot = dk_free.pop()
+                    recv.append(in_slot[:n])
+                elif s == 0 and c >= 1:  # chunk c-1 of our own block, complete
+                    xo = plan.chunk(own, c - 1)
+                    if xo.stop > xo.start:
+                        recv.append(dk[xo])
+            pending = ring.shift(send, recv) if (send or recv) else None
+            acc_slot: Optional[Tensor] = None
+            if n:
+                acc = None
+                if with_grad:
+                    acc_slot = dk_free.pop()
+                    acc = acc_slot[:n].zero_()
+                step_loss, step_g = backend.sigmoid_pass(
+                    q, kx, scale, bias,
+                    q_ids=ids, k_ids=ix,
+                    diagonal=-x.start if j == rank else None,  # row i pairs with block row i
+                    dq_acc=dq, dk_acc=acc,
+                )
+                loss += step_loss
+                g_sum += step_g
+            got = pending.wait() if pending is not None else []
+            if out_slot is not None:  # sent: the slot is free again
+                dk_free.append(out_slot)
+            out, out_slot = None, None
+            if acc_slot is not None:
+                acc = acc_slot[:n]
+                if dk_weight is not None:
+                    acc.mul_(dk_weight)
+                if in_slot is not None:
+                    out, out_slot = in_slot[:n].add_(acc), in_slot
+                    dk_free.append(acc_slot)
+                else:
+                    out, out_slot = acc, acc_slot
+            if s < world - 1:
+                kx = got[0] if nn else None
+                ix = (got[1] if nn else None) if ids is not None else None
     if with_grad:
-        dk = dk_pending.wait()[0]  # our own block's dk, complete (a view of one ring buffer)
+        # The last position's result is chunk C-1 of block rank+1, complete: send it home; ours arrives.
+        xo = plan.chunk(own, plan.chunks - 1)
+        send = [out] if out is not None else []
+        recv = [dk[xo]] if xo.stop > xo.start else []
+        if send or recv:
+            ring.shift(send, recv).wait()
     return loss, dq, dk, g_sum
 
 
@@ -126,15 +259,15 @@ class _RingSigmoid(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, scale, bias, ids, ring, sizes, backend, norm: float):
+    def forward(ctx, q, k, scale, bias, ids, ring, sizes, backend, plan, norm: float):
         ct = compute_dtype(q.dtype)
-        loss, dq, dk, g_sum = _ring_pass(ring, sizes, q, k, ids, scale, bias, backend, with_grad=True)
+        loss, dq, dk, g_sum = _ring_pass(ring, sizes, q, k, ids, scale, bias, backend, plan, with_grad=True)
         d_scale = torch.dot(q.reshape(-1).to(ct), dq.reshape(-1)).mul_(norm)
         factor = scale * norm
         dq.mul_(factor)
         dk.mul_(factor)
         ctx.in_dtype = q.dtype
-        ctx.ring, ctx.sizes, ctx.backend, ctx.ids, ctx.norm = ring, sizes, backend, ids, norm
+        ctx.ring, ctx.sizes, ctx.backend, ctx.plan, ctx.ids, ctx.norm = ring, sizes, backend, plan, ids, norm
         ctx.save_for_backward(q, k, scale, bias, dq, dk, d_scale, g_sum.mul_(norm))
         return loss.mul_(norm)
 
@@ -152,11 +285,13 @@ class _RingSigmoid(torch.autograd.Function):
             dist.all_gather(every, mine, group=ring.group)
             if any(not torch.equal(x, mine) for x in every):  # same decision on every rank
                 _, _, dk_w, _ = _ring_pass(
-                    ring, ctx.sizes, q, k, ctx.ids, scale, bias, ctx.backend, with_grad=True, with_dq=False, dk_weight=g
+                    ring, ctx.sizes, q, k, ctx.ids, scale, bias, ctx.backend, ctx.plan,
+                    with_grad=True, with_dq=False, dk_weight=g,
                 )
                 return ((dq * g).to(ctx.in_dtype), dk_w.mul_(scale * ctx.norm).to(ctx.in_dtype), d_scale * g,
-                        d_bias * g, None, None, None, None, None)
-        return (dq * g).to(ctx.in_dtype), (dk * g).to(ctx.in_dtype), d_scale * g, d_bias * g, None, None, None, None, None
+                        d_bias * g, None, None, None, None, None, None)
+        return ((dq * g).to(ctx.in_dtype), (dk * g).to(ctx.in_dtype), d_scale * g, d_bias * g,
+                None, None, None, None, None, None)
 
 
 def ring_siglip_loss(
@@ -168,11 +303,13 @@ def ring_siglip_loss(
     labels: Optional[Tensor] = None,
     group,
     backend="auto",
+    chunk_rows: Optional[int] = None,
 ) -> Tensor:
     """This rank's share of the global sigmoid loss (see the module docstring for the convention).
 
     Every rank of ``group`` must call it (a collective). Invalid input on any rank raises the same
-    ``ValueError`` on every rank instead of leaving the others waiting.
+    ``ValueError`` on every rank instead of leaving the others waiting. ``chunk_rows`` (a positive
+    int, the same on every rank) overrides the memory rule's chunk size (tests, tuning).
     """
     ring = Ring.of(group)
     device = image_features.device if isinstance(image_features, Tensor) else torch.device("cpu")
@@ -186,6 +323,8 @@ def ring_siglip_loss(
         impl = resolve_sigmoid_backend(backend, device, image_features.dtype)
         if impl == "reference":
             raise ValueError("backend='reference' has no ring form; use 'auto', 'torch' or 'triton' with group=")
+        if chunk_rows is not None and (not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1):
+            raise ValueError(f"chunk_rows must be None or a positive int, got {chunk_rows!r}")
     except (TypeError, ValueError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     ok = error is None
@@ -199,15 +338,31 @@ def ring_siglip_loss(
             "labels": float(labels is not None),
             "scale": float(s) if ok else 0.0,
             "bias": float(b) if ok else 0.0,
+            "chunk_rows": float(chunk_rows or 0) if ok else 0.0,
         },
-        same=("dim", "dtype", "labels", "scale", "bias"),
+        same=("dim", "dtype", "labels", "scale", "bias", "chunk_rows"),
         local_error=error,
         what="siglip_loss",
     )
     sizes = [int(v) for v in table["rows"]]
     norm = ring.world / sum(sizes)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (image_features, text_features, s, b))
+    plan, impl = _plan_and_backend(impl, sizes, image_features, ids, needs_grad, chunk_rows)
     if needs_grad:
-        return _RingSigmoid.apply(image_features, text_features, s, b, ids, ring, sizes, impl, norm)
-    loss, _, _, _ = _ring_pass(ring, sizes, image_features, text_features, ids, s, b, impl, with_grad=False)
+        return _RingSigmoid.apply(image_features, text_features, s, b, ids, ring, sizes, impl, plan, norm)
+    loss, _, _, _ = _ring_pass(ring, sizes, image_features, text_features, ids, s, b, impl, plan, with_grad=False)
     return loss * norm
+
+
+def _plan_and_backend(backend, sizes, q: Tensor, ids: Optional[Tensor], with_grad: bool, chunk_rows: Optional[int]):
+    """The plan of the memory rule, and the backend told its share W' (when it can be told)."""
+    budget = getattr(backend, "workspace_budget", None)
+    workspace = budget(q.device) if budget is not None else _DEFAULT_WORKSPACE
+    plan = plan_ring(
+        sizes, q.shape[1], q.dtype, with_grad=with_grad, workspace=workspace,
+        id_itemsize=ids.element_size() if ids is not None else 0, chunk_rows=chunk_rows,
+    )
+    shrink = getattr(backend, "with_workspace", None)
+    if shrink is not None and plan.world > 1:
+        backend = shrink(plan.backend_workspace)
+    return plan, backend
