@@ -191,6 +191,14 @@ def _bad_worker(rank, world):
             out.append(None)
         except ValueError as exc:
             out.append(str(exc))
+    from bigbatch.distributed.sigmoid import ring_siglip_loss
+
+    for chunk in (0 if rank == 1 else 4, 4 + rank):  # invalid on rank 1; then different per rank
+        try:
+            ring_siglip_loss(q, q.clone(), 2.0, 0.0, group=dist.group.WORLD, chunk_rows=chunk)
+            out.append(None)
+        except ValueError as exc:
+            out.append(str(exc))
     return out
 
 
@@ -200,3 +208,106 @@ def test_bad_input_on_one_rank_raises_on_every_rank():
     scale_msgs = [r[1] for r in per_rank]
     assert all(m is not None and "rank(s) [1]" in m and "text_features" in m for m in shape_msgs), shape_msgs
     assert all(m is not None and "scale" in m for m in scale_msgs), scale_msgs
+    assert all(r[2] is not None and "rank(s) [1]" in r[2] and "chunk_rows" in r[2] for r in per_rank), per_rank
+    assert all(r[3] is not None and "chunk_rows must be the same" in r[3] for r in per_rank), per_rank
+
+
+# ---- memory: the ring's buffers come out of the one-GPU budget ------------------------------
+
+
+def _slots_worker(rank, world):
+    """Run the ring pass with a backend of a given workspace; report what it allocated and was told."""
+    import torch.distributed as dist
+
+    from bigbatch.backends.torch_sigmoid import TorchSigmoid
+    from bigbatch.distributed.ring import Ring
+    from bigbatch.distributed.sigmoid import _plan_and_backend, _ring_pass
+
+    out = []
+    sizes = [1500, 1100, 1300][:world]  # over the 1024-row floor: the rule cuts 2 chunks per block
+    ring = Ring.of(dist.group.WORLD)
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(sizes[rank], D, generator=g)
+    k = torch.randn(sizes[rank], D, generator=g)
+    ids = torch.arange(sizes[rank]) % 4
+    for labels in (None, ids):
+        plan, backend = _plan_and_backend(TorchSigmoid(workspace_bytes=300_000), sizes, q, labels, True, None)
+        stats = {}
+        one = torch.tensor(1.0)
+        _ring_pass(ring, sizes, q, k, labels, one, one, backend, plan, True, stats=stats)
+        out.append((plan, stats["slot_bytes"], backend.workspace_bytes))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_allocates_its_plan_within_the_one_gpu_workspace(world):
+    for rank_result in run_gloo(_slots_worker, world):
+        for plan, slot_bytes, told in rank_result:
+            assert plan.chunks == 2  # a small workspace cuts several chunks per block
+            assert slot_bytes == plan.slot_bytes > 0
+            assert told == plan.backend_workspace
+            assert plan.slot_bytes + plan.backend_workspace <= plan.workspace == 300_000
+            assert plan.k_slots == min(2, world - 1) and plan.dk_slots == 3
+
+
+def _one_gpu(b, d, dtype, workspace):
+    from bigbatch.distributed.sigmoid import plan_ring
+
+    return plan_ring([b], d, dtype, with_grad=True, workspace=workspace)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_plan_ring_fits_the_one_gpu_budget(dtype, world):
+    """Per rank, fp32 dq + own dk + slots + the backend's share <= one GPU at the same local batch."""
+    from bigbatch.backends.torch_sigmoid import TorchSigmoid
+    from bigbatch.backends.triton_sigmoid import TritonSigmoid
+    from bigbatch.distributed.sigmoid import plan_ring, transient_bytes
+
+    cuda = torch.device("cuda")
+    for workspace in (TritonSigmoid().workspace_budget(cuda), TorchSigmoid().workspace_budget(cuda)):
+        for b, d in ((131072, 512), (262144, 512), (8192, 768), (1000, 4096), (262144, 8192)):
+            for ids in (0, 8):
+                sizes = [b] * world
+                sizes[-1] = b // 3 + 1  # uneven shards: chunks are cut from the largest
+                plan = plan_ring(sizes, d, dtype, with_grad=True, workspace=workspace, id_itemsize=ids)
+                one = _one_gpu(b, d, dtype, workspace)
+                assert transient_bytes(b, d, dtype, plan) <= transient_bytes(b, d, dtype, one)
+                assert plan.slot_bytes <= workspace // 2 or plan.chunk_rows <= 1024
+                assert plan.chunks * plan.chunk_rows >= b > (plan.chunks - 1) * plan.chunk_rows
+                assert sum(plan.chunk(b, c).stop - plan.chunk(b, c).start for c in range(plan.chunks)) == b
+    # 2 ranks, bf16, D = 512, Triton's 512 MiB: 8 chunks of 32768 rows at b = 262144, 224 MiB of slots.
+    plan = plan_ring([262144] * 2, 512, torch.bfloat16, with_grad=True, workspace=1 << 29)
+    assert (plan.chunks, plan.chunk_rows, plan.slot_bytes) == (8, 32768, 32768 * 512 * (2 + 3 * 4))
+    # Without gradients only the text travels: no dk slots.
+    assert plan_ring([100, 50], 64, torch.float32, with_grad=False, workspace=1 << 20).dk_slots == 0
+
+
+def test_plan_ring_floor_is_documented():
+    """Huge D: 1024-row chunks exceed 3W/4, the backend keeps W/4, the ring exceeds one GPU by the rest."""
+    from bigbatch.distributed.sigmoid import plan_ring, transient_bytes
+
+    w = 1 << 29
+    plan = plan_ring([4096] * 3, 32768, torch.float32, with_grad=True, workspace=w)
+    assert plan.chunk_rows == 1024 and plan.backend_workspace == w // 4
+    excess = transient_bytes(4096, 32768, torch.float32, plan) - transient_bytes(4096, 32768, torch.float32, _one_gpu(4096, 32768, torch.float32, w))
+    assert excess == plan.slot_bytes + w // 4 - w > 0
+
+
+def test_backend_workspace_bytes():
+    from bigbatch.backends.torch_sigmoid import TorchSigmoid
+    from bigbatch.backends.triton_sigmoid import TritonSigmoid
+
+    cuda = torch.device("cuda")
+    t = TritonSigmoid(workspace_bytes=3 << 20)
+    assert t.workspace_budget(cuda) == 3 << 20 and t.with_workspace(1 << 20).workspace_budget(cuda) == 1 << 20
+    for m, n in ((262144, 32768), (262144, 1000), (5000, 7), (100, 100000)):
+        rows, cols = t._tiles(m, n, 2, cuda)
+        assert rows * cols * 2 <= 3 << 20 and rows <= m and cols <= n
+        assert rows * cols * 2 > (3 << 20) // 4 or (rows == m and cols == n) or cols == n  # narrow chunks: rows grow
+    assert TritonSigmoid()._tiles(262144, 262144, 2, cuda) == (16384, 16384)  # the one-GPU tile is unchanged
+    assert TorchSigmoid(workspace_bytes=1 << 20).with_workspace(5).workspace_bytes == 5
+    for cls in (TritonSigmoid, TorchSigmoid):
+        for bad in (0, -1, 1.5, True):
+            with pytest.raises(ValueError, match="workspace_bytes"):
+                cls(workspace_bytes=bad)

@@ -71,8 +71,9 @@ class RingPlan:
     Bytes: ``slot_bytes`` for the ring's chunk buffers, ``backend_workspace`` (W') for the backend,
     out of the one-GPU budget ``workspace`` (W). ``slot_bytes + backend_workspace <= workspace``
     unless the floors bite: ``_MIN_CHUNK_ROWS`` rows of slots above ``W (1 - 1/_MIN_BACKEND_SHARE)``,
-    i.e. with W = 512 MiB only for D > ~4900 (fp32 features, 3+ ranks), or an explicit
-    ``chunk_rows`` that large; then the ring exceeds one GPU by the difference.
+    i.e. a row of slots above 3W/4096 bytes (20*D bytes for fp32 features on 3+ ranks, 16*D for
+    bf16: with W = 512 MiB only for D > ~19,600 / ~24,500), or an explicit ``chunk_rows`` that
+    large; then the ring exceeds one GPU by ``slot_bytes + backend_workspace - workspace``.
     """
 
     world: int
