@@ -90,6 +90,9 @@ def _gpu_config(dtype: torch.dtype, device: torch.device) -> _Config:
         ds_block_m=128, ds_block_n=256, ds_block_d=64, ds_warps=8, ds_stages=3,
         mm_block_m=128, mm_block_n=64, mm_block_k=64, mm_warps=4, mm_stages=4,
         super_rows=4096, super_cols=4096, programs=2 * sms,
+        # cuBLAS products: backward 129.7 ms vs 179.5 (two Triton launches) and 144.0 (paired launch)
+        # at B = 131072, D = 512 on an H200 (benchmarks/results/probes/clip_kernel_probe_h200.json).
+        products="cublas",
     )
 
 

@@ -62,6 +62,9 @@ _MIN_CHUNK_ROWS = 1024
 _MIN_BACKEND_SHARE = 4
 # W assumed for a backend object that does not report one (it is then not told a smaller one).
 _DEFAULT_WORKSPACE = 256 << 20
+# Also kept back from the backend: the ring's small tensors (metadata exchange, per-position loss
+# scalars), so that "no larger than one GPU" holds to the byte, not only up to a few KiB.
+_SMALL_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ def plan_ring(
     chunks = -(-bmax // rows)
     rows = -(-bmax // chunks)  # the largest chunk actually cut: ceil(bmax / C) <= the asked rows
     slot_bytes = rows * row_bytes
-    backend = max(workspace - slot_bytes, workspace // _MIN_BACKEND_SHARE)
+    backend = max(workspace - slot_bytes - _SMALL_BYTES, workspace // _MIN_BACKEND_SHARE)
     return RingPlan(world, chunks, rows, k_slots, dk_slots, row_bytes, slot_bytes, workspace, backend)
 
 
@@ -284,7 +287,9 @@ class _RingSigmoid(torch.autograd.Function):
             mine = g.detach().reshape(1).to(torch.float64)
             every = [torch.empty_like(mine) for _ in range(ring.world)]
             dist.all_gather(every, mine, group=ring.group)
-            if any(not torch.equal(x, mine) for x in every):  # same decision on every rank
+            differ = any(not torch.equal(x, mine) for x in every)
+            del mine, every  # not alive during the products below (the peak of the backward)
+            if differ:  # same decision on every rank
                 _, _, dk_w, _ = _ring_pass(
                     ring, ctx.sizes, q, k, ctx.ids, scale, bias, ctx.backend, ctx.plan,
                     with_grad=True, with_dq=False, dk_weight=g,
