@@ -138,6 +138,16 @@ def _siglip_tile_kernel(
 _PRECISIONS = ("ieee", "tf32")
 
 
+_TILE_ALIGN = 256  # a multiple of every BLOCK_M / BLOCK_N the configs use
+
+
+def _align(side: int, total: int) -> int:
+    """``side`` rounded down to a multiple of ``_TILE_ALIGN`` when it is short of ``total`` (>= 1)."""
+    if side >= total:
+        return total
+    return side // _TILE_ALIGN * _TILE_ALIGN if side >= _TILE_ALIGN else max(1, side)
+
+
 @dataclass(frozen=True)
 class TritonSigmoid:
     """Fused sigmoid-loss tiles on CUDA (or the Triton interpreter on CPU tensors).
@@ -199,12 +209,14 @@ class TritonSigmoid:
     def _tiles(self, m: int, n: int, itemsize: int, device: torch.device) -> Tuple[int, int]:
         # A near-square tile of at most ``budget`` elements; when N is narrower than the square
         # (the ring's column chunks), the rows grow so that the tile still fills the budget.
+        # A side cut short of M or N is a multiple of _TILE_ALIGN, so that only the last tile has
+        # tails (masked loads); a budget that is not a power of two (the ring's) would break that.
         budget = max(1, self.workspace_budget(device) // itemsize)
         side = 1 << (budget.bit_length() // 2)
         rows = self.tile_rows or max(1, min(m, side))
-        cols = self.tile_cols or max(1, min(n, budget // rows))
+        cols = self.tile_cols or _align(min(n, budget // rows), n)
         if self.tile_rows is None:
-            rows = max(rows, min(m, budget // cols))
+            rows = _align(max(rows, min(m, budget // cols)), m)
         return rows, cols
 
     def sigmoid_pass(

@@ -27,7 +27,7 @@ Memory per rank (the issue-7 rule, :func:`plan_ring`): one GPU at local batch ``
 ``dq`` + ``dk`` (b x D each) + the backend's workspace ``W``. A rank holds ``dq`` + its own
 block's ``dk`` + slots of ``chunk_rows`` rows -- text chunks (1 slot with 2 ranks, 2 with more;
 + their int64 ids with ``labels``) and 3 fp32 dk chunks (computing, arriving, leaving) -- + the
-backend's workspace, which the ring lowers to ``W' = W - slots``. So the total equals one GPU's
+backend's workspace, which the ring lowers to ``W' = W - slots - 1 MiB``. So the total is one GPU's
 whatever the number of ranks. FLOPs per rank: ``6 * b * B * D`` (B global), as on one GPU.
 
 Value and gradients (OpenCLIP's convention, correct also for uneven shards): rank r returns
