@@ -24,12 +24,13 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 
-from .common import cuda_time_ms, hardware, matmul_tflops, measure, write_json
+from .common import cuda_time_ms, hardware, matmul_tflops, measure, wall_time_ms, write_json
 
 IMPLS = ("naive", "torch", "triton")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -225,57 +226,184 @@ def neighbour_exchange_siglip(q, k, scale, bias, group):
     return loss
 
 
+class _GatherWithGrad(torch.autograd.Function):
+    """All ranks' (equal) blocks concatenated; the gradient of this rank's block is the sum over
+    ranks of their gradients for its rows (one all_reduce of the B x D gradient, then a slice)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        ctx.group, ctx.rank, ctx.rows = group, dist.get_rank(group), x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows], None
+
+
+def gather_full_matrix_siglip(q, k, scale, bias, group):
+    """The full-matrix peer on several GPUs: all texts gathered with autograd, this rank's
+    b x B logits kept for the backward (OpenCLIP's gather-with-grad, applied to the sigmoid loss).
+    Equal shards; rank r's positives are columns r*b .. r*b + b - 1. Returns the same per-rank
+    value as the ring (world / B * this rank's rows' terms)."""
+    import torch.distributed as dist
+
+    world, rank, b = dist.get_world_size(group), dist.get_rank(group), q.shape[0]
+    texts = _GatherWithGrad.apply(k, group)
+    logits = scale * (q @ texts.t()) + bias
+    labels = -torch.ones_like(logits)
+    labels[:, rank * b:(rank + 1) * b] += 2 * torch.eye(b, device=q.device, dtype=q.dtype)
+    return -F.logsigmoid(labels * logits).sum() / b  # world / B = 1 / b for equal shards
+
+
+def _measure_ring_case(fn, device, warmup: int, repeat: int) -> Dict[str, Any]:
+    """``measure()`` on CUDA (median time, peak extra memory above the live memory before the call);
+    wall-clock times and no memory on the CPU dry run."""
+    if device.type == "cuda":
+        return measure(fn, warmup=warmup, repeat=repeat)
+    times = wall_time_ms(fn, warmup=warmup, repeat=repeat)
+    return {"status": "ok", "median_ms": statistics.median(times), "times_ms": times, "extra_gib": float("nan")}
+
+
+def ring_correctness(b: int, d: int, dtype: torch.dtype, group, device) -> Dict[str, float]:
+    """Ring loss and every gradient against float64 over the gathered global batch (equal shards,
+    DDP-style averaging of the gradients, chunk_rows forcing several chunks per block)."""
+    import torch.distributed as dist
+
+    from bigbatch import reference
+    from bigbatch.distributed.sigmoid import ring_siglip_loss
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    q, k, log_scale, bias = _inputs(b, d, dtype, device, seed=100 + rank)
+    loss = ring_siglip_loss(q, k, log_scale.exp(), bias, group=group, chunk_rows=max(1, b // 3))
+    grads = torch.autograd.grad(loss, (q, k, log_scale, bias))
+
+    def gather(x):
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return parts
+
+    q_all = torch.cat(gather(q.detach())).double().requires_grad_()
+    k_all = torch.cat(gather(k.detach())).double().requires_grad_()
+    ls64, b64 = log_scale.detach().double().requires_grad_(), bias.detach().double().requires_grad_()
+    ref = reference.siglip_loss(q_all, k_all, ls64.exp(), b64)
+    ref_g = torch.autograd.grad(ref, (q_all, k_all, ls64, b64))
+    mean = lambda x: torch.stack(gather(x.detach().double().reshape(1))).mean()  # noqa: E731 - DDP averaging
+
+    def rel(x, r):
+        return ((x.double() - r).norm() / r.norm()).item()
+
+    out = {"loss": rel(mean(loss), ref.detach())}
+    out["d_image"] = rel(torch.cat(gather(grads[0])) / world, ref_g[0])
+    out["d_text"] = rel(torch.cat(gather(grads[1])) / world, ref_g[1])
+    out["d_log_scale"] = rel(mean(grads[2]), ref_g[2])
+    out["d_bias"] = rel(mean(grads[3]), ref_g[3])
+    return out
+
+
 def ring(args) -> Optional[Dict[str, Any]]:
     import torch.distributed as dist
 
     import bigbatch
+    from bigbatch.distributed.sigmoid import _plan_and_backend, transient_bytes
+    from bigbatch.sigmoid_loss import resolve_sigmoid_backend
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl")
+    if args.cpu:  # dry run of this code path (gloo, torch tiles, wall clock, no memory numbers)
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
+    else:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl")
+        device = torch.device("cuda", local_rank)
     group = dist.group.WORLD
     world, rank = dist.get_world_size(), dist.get_rank()
-    dtype = DTYPES[args.dtype]
-    bf16_rate = matmul_tflops(torch.bfloat16)
-    results = []
+    dtype = DTYPES[args.dtype] if not args.cpu else torch.float32
+    bf16_rate = matmul_tflops(torch.bfloat16) if device.type == "cuda" else float("nan")
+    if rank == 0:
+        print(f"{world} ranks on {device.type}; bf16 matmul {bf16_rate:.0f} TFLOP/s", flush=True)
+    check = ring_correctness(args.check_batch, args.dim, dtype, group, device)
+    if rank == 0:
+        print(f"ring correctness vs float64 at local B={args.check_batch}: {check}", flush=True)
+    results, plans, summary = [], [], []
     impls = {
         "bigbatch-ring": lambda q, k, s, b: bigbatch.siglip_loss(q, k, s, b, group=group),
         "neighbour-exchange": lambda q, k, s, b: neighbour_exchange_siglip(q, k, s, b, group),
+        "gather-full-matrix": lambda q, k, s, b: gather_full_matrix_siglip(q, k, s, b, group),
         "bigbatch-1gpu-same-local-batch": lambda q, k, s, b: bigbatch.siglip_loss(q, k, s, b),
     }
+    impls_one = "bigbatch-1gpu-same-local-batch"
     for b in args.batch:
-        q, k, log_scale, bias = _inputs(b, args.dim, dtype, "cuda", seed=rank)
+        q, k, log_scale, bias = _inputs(b, args.dim, dtype, device, seed=rank)
+        # What the memory rule plans for this call (the same on every rank: equal shards).
+        plan, _ = _plan_and_backend(resolve_sigmoid_backend("auto", device, dtype), [b] * world, q, None, True, None)
+        one, _ = _plan_and_backend(resolve_sigmoid_backend("auto", device, dtype), [b], q, None, True, None)
+        plans.append({"local_batch": b, "chunks": plan.chunks, "chunk_rows": plan.chunk_rows,
+                      "slot_bytes": plan.slot_bytes, "backend_workspace": plan.backend_workspace,
+                      "one_gpu_workspace": plan.workspace,
+                      "planned_forward_gib": transient_bytes(b, args.dim, dtype, plan) / 2**30,
+                      "planned_one_gpu_forward_gib": transient_bytes(b, args.dim, dtype, one) / 2**30})
+        agreement = {}  # each peer's per-rank loss value against the ring's (same inputs)
+        if b <= args.peer_max:
+            with torch.no_grad():
+                vals = {n: f(q, k, log_scale.exp(), bias).double() for n, f in impls.items() if n != impls_one}
+            agreement = {n: (abs(v - vals["bigbatch-ring"]) / abs(vals["bigbatch-ring"])).item() for n, v in vals.items()}
         for name, fn in impls.items():
-            if name == "neighbour-exchange" and b > args.naive_max:
-                r = {"status": "skipped", "reason": f"local B x B logits per step; B > --naive-max {args.naive_max}"}
+            if name in ("neighbour-exchange", "gather-full-matrix") and b > args.peer_max:
+                r = {"status": "skipped", "reason": f"keeps b x b logits per step / b x B logits; local B > --peer-max {args.peer_max}"}
             else:
                 dist.barrier()
-                r = measure(lambda: _step(fn, q, k, log_scale, bias), warmup=1, repeat=args.repeat)
+                r = _measure_ring_case(lambda: _step(fn, q, k, log_scale, bias), device, 1, args.repeat)
                 # Any rank out of memory makes the case out of memory (the others would hang next).
-                flag = torch.tensor([r["status"] != "ok"], device="cuda", dtype=torch.int32)
+                flag = torch.tensor([r["status"] != "ok"], device=device, dtype=torch.int32)
                 dist.all_reduce(flag)
                 if flag.item() and r["status"] == "ok":
                     r = {"status": "oom", "error": "another rank ran out of memory"}
-            mem = torch.tensor([r.get("extra_gib", float("nan"))], device="cuda", dtype=torch.float64)
+            mem = torch.tensor([r.get("extra_gib", float("nan"))], device=device, dtype=torch.float64)
             mems = [torch.empty_like(mem) for _ in range(world)]
             dist.all_gather(mems, mem)
-            r.update({"impl": name, "local_batch": b, "global_batch": b * world if name != "bigbatch-1gpu-same-local-batch" else b,
-                      "dim": args.dim, "dtype": args.dtype, "world": world,
+            one_gpu = name == impls_one
+            if name in agreement:
+                r["loss_rel_diff_vs_ring_rank0" if rank == 0 else "loss_rel_diff_vs_ring"] = agreement[name]
+            r.update({"impl": name, "local_batch": b, "global_batch": b if one_gpu else b * world,
+                      "dim": args.dim, "dtype": str(dtype).replace("torch.", ""), "world": world,
                       "extra_gib_per_rank": [m.item() for m in mems]})
             if r["status"] == "ok":
-                gb = r["global_batch"]
-                r["tflops_6b2d_total"] = flops(gb, args.dim) / (r["median_ms"] * 1e-3) / 1e12
+                r["tflops_6b2d_total"] = flops(r["global_batch"], args.dim) / (r["median_ms"] * 1e-3) / 1e12
+                r["tflops_6b2d_per_gpu"] = r["tflops_6b2d_total"] / (1 if one_gpu else world)
             results.append(r)
             if rank == 0:
                 print(f"{name:>32} local B={b:>7} global={r['global_batch']:>7}  {r['status']}  "
                       f"{r.get('median_ms', float('nan')):9.1f} ms  per-rank GiB {r['extra_gib_per_rank']}", flush=True)
+        ring_r, one_r = results[-len(impls)], results[-1]
+        if ring_r["status"] == "ok" and one_r["status"] == "ok":
+            worst = max(ring_r["extra_gib_per_rank"])
+            yard = max(one_r["extra_gib_per_rank"])
+            summary.append({"local_batch": b, "ring_peak_extra_gib_max_rank": worst, "one_gpu_peak_extra_gib": yard,
+                            "ring_minus_one_gpu_mib": (worst - yard) * 1024, "ring_no_larger": bool(worst <= yard)})
+            if rank == 0:
+                print(f"  memory, local B={b}: ring {worst:.4f} GiB vs one GPU {yard:.4f} GiB", flush=True)
         del q, k
     out = None
     if rank == 0:
         out = {
-            "benchmark": f"siglip ring on {world} GPUs: forward + backward",
+            "benchmark": f"siglip ring on {world} {'GPUs' if device.type == 'cuda' else 'CPU processes (dry run)'}: "
+                         "forward + backward",
             "hardware": hardware(),
             "bf16_matmul_tflops": bf16_rate,
+            "flops_accounting": "6*B^2*D (B global; per GPU: divided by the ranks)",
+            "memory": "extra_gib = peak allocated above the live memory before the call (inputs), "
+                      "forward + backward, per rank; NCCL's own buffers are not in the torch allocator",
+            "ring_correctness_rel_err": {"local_batch": args.check_batch, **check},
+            "plans": plans,
+            "memory_summary": summary,
             "results": results,
         }
     dist.destroy_process_group()
@@ -326,15 +454,24 @@ def main(argv=None) -> int:
     p.add_argument("--tune", action="store_true", help="pick the kernel block config by timing a few")
     p.add_argument("--tune-batch", type=int, default=65536)
     p.add_argument("--ring", action="store_true", help="several GPUs under torchrun")
+    p.add_argument("--peer-max", type=int, default=65536,
+                   help="--ring: largest local B for the neighbour-exchange and gather-full-matrix peers")
+    p.add_argument("--cpu", action="store_true",
+                   help="--ring only: a dry run of the ring path on CPU processes (gloo), tiny sizes")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/siglip_<kind>.json)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("this benchmark needs a CUDA GPU", file=sys.stderr)
+    if args.cpu and not args.ring:
+        print("--cpu is a dry run of --ring only", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available() and not args.cpu:
+        print("this benchmark needs a CUDA GPU (or --ring --cpu for a dry run)", file=sys.stderr)
         return 2
     if args.ring:
         payload = ring(args)
         if payload is not None:
-            path = args.out or "benchmarks/results/siglip_ring_h200x2.json"
+            default = os.path.join(tempfile.gettempdir(), "siglip_ring_cpu.json") if args.cpu else \
+                "benchmarks/results/siglip_ring_h200x2.json"
+            path = args.out or default
             write_json(path, payload)
             print(f"wrote {path}", flush=True)
         return 0
