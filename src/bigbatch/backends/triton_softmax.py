@@ -67,7 +67,7 @@ class _Config:
     programs: int  # forward grid size to aim for
     one_exp: int = 0  # forward: 1 = one exp2 per logit for both directions (slower on an H200: docs/kernels.md)
     ds_one_exp: int = 0  # backward dS kernel: 1 = one exp2 per logit (outer-product form, exact fallback)
-    flat: int = 0  # forward: one flattened (tile, D chunk) loop
+    col_ref: int = 1  # forward: columns referenced to their running partial (one cross-warp reduction per tile)
     kmajor: int = 0  # backward products read K-major operands (dS.T copy, transposed q/k chunks)
     # backward products: "separate" (two Triton launches), "pair" (both in one Triton launch),
     # "cublas" (two cuBLAS GEMMs with fp32 output; half inputs only, fp32 uses the Triton path)
@@ -222,7 +222,8 @@ class TritonTiles:
             rpg, cpg,
             ROWS=rows, COLS=cols,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
-            DOT_DTYPE=dot_dtype, PRECISION=precision, ONE_EXP=bool(cfg.one_exp), FLAT=bool(cfg.flat),
+            DOT_DTYPE=dot_dtype, PRECISION=precision, ONE_EXP=bool(cfg.one_exp), COL_REF=bool(cfg.col_ref),
+            EVEN=b % cfg.block_m == 0 and n % cfg.block_n == 0 and q.shape[1] % cfg.block_d == 0,
             num_warps=cfg.warps, num_stages=cfg.stages,
         )
         lse_row = torch.logsumexp(row_part.mul_(_LN2), dim=0).to(ct) if rows else None
@@ -322,6 +323,7 @@ class TritonTiles:
                     HAS_ROW=use_rows, HAS_COL=use_cols, HAS_POS=use_pos,
                     BLOCK_M=cfg.ds_block_m, BLOCK_N=cfg.ds_block_n, BLOCK_D=cfg.ds_block_d,
                     DOT_DTYPE=dot_dtype, PRECISION=precision, ONE_EXP=bool(cfg.ds_one_exp), WRITE_T=kmajor,
+                    EVEN=ni % cfg.ds_block_m == 0 and nj % cfg.ds_block_n == 0 and d % cfg.ds_block_d == 0,
                     num_warps=cfg.ds_warps, num_stages=cfg.ds_stages,
                 )
                 qi_b = qi.t().contiguous().t() if kmajor else qi

@@ -31,7 +31,7 @@ def dlogits_kernel(
     HAS_ROW: tl.constexpr, HAS_COL: tl.constexpr, HAS_POS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    ONE_EXP: tl.constexpr, WRITE_T: tl.constexpr,
+    ONE_EXP: tl.constexpr, WRITE_T: tl.constexpr, EVEN: tl.constexpr,
 ):
     """``ds[r, c]`` (and, with ``WRITE_T``, ``dst[c, r]``) for the ``TM x TN`` super-tile whose q, k,
     lse, g and pos pointers are offset to its first row / column. ``pos`` holds each row's positive
@@ -46,7 +46,7 @@ def dlogits_kernel(
     scale2 = tl.load(scale_ptr).to(tl.float32) * LOG2E
     s2 = _tile_logits2(
         q_ptr, k_ptr, rows, cols, rmask, cmask, D, stride_q, stride_k, scale2,
-        BLOCK_M, BLOCK_N, BLOCK_D, DOT_DTYPE, PRECISION,
+        BLOCK_M, BLOCK_N, BLOCK_D, DOT_DTYPE, PRECISION, EVEN,
     )
     if HAS_ROW:
         lse_r = tl.load(lse_row_ptr + rows, mask=rmask, other=0.0) * LOG2E

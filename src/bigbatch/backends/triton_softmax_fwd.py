@@ -38,68 +38,91 @@ LOG2E = tl.constexpr(1.4426950408889634)
 def _tile_logits2(
     q_ptr, k_ptr, rows, cols, rmask, cmask, D, stride_q, stride_k, scale2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr,
 ):
-    """``scale * log2(e) * q[rows] @ k[cols].T`` as a fp32 (BLOCK_M, BLOCK_N) tile, D in chunks."""
+    """``scale * log2(e) * q[rows] @ k[cols].T`` as a fp32 (BLOCK_M, BLOCK_N) tile, D in chunks.
+    ``EVEN``: no row, column or D tail anywhere in the launch, so the loads take no masks."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_q
     k_rows = k_ptr + cols.to(tl.int64)[:, None] * stride_k
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
-        dmask = offs_d < D
-        a = tl.load(q_rows + offs_d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
-        b = tl.load(k_rows + offs_d[None, :], mask=cmask[:, None] & dmask[None, :], other=0.0)
+        if EVEN:
+            a = tl.load(q_rows + offs_d[None, :])
+            b = tl.load(k_rows + offs_d[None, :])
+        else:
+            dmask = offs_d < D
+            a = tl.load(q_rows + offs_d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+            b = tl.load(k_rows + offs_d[None, :], mask=cmask[:, None] & dmask[None, :], other=0.0)
         acc = tl.dot(a.to(DOT_DTYPE), tl.trans(b.to(DOT_DTYPE)), acc, input_precision=PRECISION)
     return acc * scale2
 
 
 @triton.jit
 def _fold_tile(
-    s2, rows, cols, rmask, cmask, m_row, l_row, col_part_ptr, rg, N,
-    ROWS: tl.constexpr, COLS: tl.constexpr, ONE_EXP: tl.constexpr,
+    s2, rmask, cmask, m_row, l_row, col_old,
+    ROWS: tl.constexpr, COLS: tl.constexpr, ONE_EXP: tl.constexpr, COL_REF: tl.constexpr, EVEN: tl.constexpr,
 ):
     """Fold one tile of base-2 logits into the running row ``(m_row, l_row)`` (registers) and
-    into the column partials ``col_part[rg, cols]`` (read-modify-write). Returns the new row pair."""
+    return the new row pair and the new column partial LSEs (``col_old`` merged with the tile).
+
+    Columns (``COL_REF``): the reference of column j is its running partial ``col_old[j]`` (this
+    program's LSE over its earlier row blocks), so the tile needs ONE cross-warp vector reduction
+    (the column sum of ``exp2(s - col_old)``) instead of a column max, its broadcast and a sum.
+    Exact whenever no logit of the tile exceeds its column's partial by more than 64 (log2
+    units): the sum cannot overflow, and a term lost to underflow is < 2^-126 of the partial's
+    own term (which is 1). Otherwise (a column's first tile, where ``col_old = -inf``, or a
+    jump) the tile takes the exact two-reduction path.
+    """
     neg_inf = float("-inf")
+    if not EVEN:
+        # One mask for both directions: a masked entry is -inf, so it adds exp2(-inf) = 0 to every
+        # sum; rows or columns that are entirely masked give NaN statistics but are never stored.
+        s2 = tl.where(rmask[:, None] & cmask[None, :], s2, neg_inf)
     if ROWS and COLS and ONE_EXP:
         # One exp2 per logit for both directions: e = exp2(s - r_i) with r_i the tile's row max.
         # Row i: sum_j exp2(s_ij - m) = exp2(r_i - m) * sum_j e_ij.
         # Column j: sum_i exp2(s_ij - M) = sum_i e_ij * exp2(r_i - M), M the tile max: exact while
         # every column max is within 64 (log2 units) of M (terms lost to underflow are then
         # < 2^-62 of their column's largest term); otherwise the tile takes the two-exp path.
-        s = tl.where(rmask[:, None] & cmask[None, :], s2, neg_inf)
-        r = tl.max(s, axis=1)
+        r = tl.max(s2, axis=1)
         r_safe = tl.where(rmask, r, 0.0)
-        e = tl.exp2(s - r_safe[:, None])
+        e = tl.exp2(s2 - r_safe[:, None])
         m_new = tl.maximum(m_row, r)
         l_row = l_row * tl.exp2(m_row - m_new) + tl.sum(e, axis=1) * tl.exp2(r - m_new)
         m_row = m_new
-        c = tl.max(s, axis=0)
+        c = tl.max(s2, axis=0)
         top = tl.max(r, axis=0)
         spread = top - tl.min(tl.where(cmask, c, top), axis=0)
         if spread < 64.0:
             a = tl.where(rmask, tl.exp2(r - top), 0.0)  # <= 1; masked rows add nothing
             tile_lse = top + tl.log2(tl.sum(e * a[:, None], axis=0))
         else:
-            tile_lse = c + tl.log2(tl.sum(tl.exp2(s - c[None, :]), axis=0))
+            tile_lse = c + tl.log2(tl.sum(tl.exp2(s2 - c[None, :]), axis=0))
+        hi = tl.maximum(col_old, tile_lse)
+        col_new = hi + tl.log2(tl.exp2(col_old - hi) + tl.exp2(tile_lse - hi))
     else:
+        r = tl.max(s2, axis=1)  # the tile's row maxima (a reduction inside each warp)
         if ROWS:
-            s_r = tl.where(cmask[None, :], s2, neg_inf)
-            m_new = tl.maximum(m_row, tl.max(s_r, axis=1))
-            l_row = l_row * tl.exp2(m_row - m_new) + tl.sum(tl.exp2(s_r - m_new[:, None]), axis=1)
+            m_new = tl.maximum(m_row, r)
+            l_row = l_row * tl.exp2(m_row - m_new) + tl.sum(tl.exp2(s2 - m_new[:, None]), axis=1)
             m_row = m_new
+        col_new = col_old
         if COLS:
-            s_c = tl.where(rmask[:, None], s2, neg_inf)
-            m_col = tl.max(s_c, axis=0)
-            tile_lse = m_col + tl.log2(tl.sum(tl.exp2(s_c - m_col[None, :]), axis=0))
-    if COLS:
-        col_ptrs = col_part_ptr + rg.to(tl.int64) * N + cols
-        old = tl.load(col_ptrs, mask=cmask, other=neg_inf)
-        hi = tl.maximum(old, tile_lse)
-        tl.store(col_ptrs, hi + tl.log2(tl.exp2(old - hi) + tl.exp2(tile_lse - hi)), mask=cmask)
-        # The next read of this slice may come from another thread of the program.
-        tl.debug_barrier()
-    return m_row, l_row
+            if COL_REF:
+                # max_ij (s_ij - col_old_j) <= max(s) - min(col_old): two scalar reductions; a
+                # column's first tile (col_old = -inf) always jumps.
+                jump = tl.max(r, axis=0) - tl.min(col_old, axis=0) > 64.0
+            else:
+                jump = True
+            if jump:
+                m_col = tl.max(s2, axis=0)
+                tile_lse = m_col + tl.log2(tl.sum(tl.exp2(s2 - m_col[None, :]), axis=0))
+                hi = tl.maximum(col_old, tile_lse)
+                col_new = hi + tl.log2(tl.exp2(col_old - hi) + tl.exp2(tile_lse - hi))
+            else:
+                col_new = col_old + tl.log2(1.0 + tl.sum(tl.exp2(s2 - col_old[None, :]), axis=0))
+    return m_row, l_row, col_new
 
 
 @triton.jit
@@ -110,14 +133,10 @@ def lse_fwd_kernel(
     ROWS: tl.constexpr, COLS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    ONE_EXP: tl.constexpr, FLAT: tl.constexpr,
+    ONE_EXP: tl.constexpr, COL_REF: tl.constexpr, EVEN: tl.constexpr,
 ):
     """Partial base-2 LSEs: ``row_part[cg, i]`` over the columns of group cg and
-    ``col_part[rg, j]`` over the rows of group rg (``col_part`` must start at -inf).
-
-    ``FLAT``: one loop over (tile, D chunk) pairs instead of nested loops, so that the software
-    pipeline keeps loading the next tile's chunks while the current tile's statistics are folded.
-    """
+    ``col_part[rg, j]`` over the rows of group rg (``col_part`` must start at -inf)."""
     rg = tl.program_id(0)
     cg = tl.program_id(1)
     scale2 = tl.load(scale_ptr).to(tl.float32) * LOG2E
@@ -128,55 +147,29 @@ def lse_fwd_kernel(
     cb_start = cg * col_blocks_per_group
     cb_end = tl.minimum(cb_start + col_blocks_per_group, n_col_blocks)
     neg_inf = float("-inf")
-    if FLAT:
-        n_cb = cb_end - cb_start
-        n_d = tl.cdiv(D, BLOCK_D)
-        total = (rb_end - rb_start) * n_cb * n_d
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for rb in range(rb_start, rb_end):
+        rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < B
         m_row = tl.full((BLOCK_M,), neg_inf, dtype=tl.float32)
         l_row = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for it in range(0, total):
-            tile = it // n_d
-            dd = it % n_d
-            rb = rb_start + tile // n_cb
-            cb = cb_start + tile % n_cb
-            rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+        for cb in range(cb_start, cb_end):
             cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
-            rmask = rows < B
             cmask = cols < N
-            offs_d = dd * BLOCK_D + tl.arange(0, BLOCK_D)
-            dmask = offs_d < D
-            a = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_q + offs_d[None, :],
-                        mask=rmask[:, None] & dmask[None, :], other=0.0)
-            b = tl.load(k_ptr + cols.to(tl.int64)[:, None] * stride_k + offs_d[None, :],
-                        mask=cmask[:, None] & dmask[None, :], other=0.0)
-            acc = tl.dot(a.to(DOT_DTYPE), tl.trans(b.to(DOT_DTYPE)), acc, input_precision=PRECISION)
-            if dd == n_d - 1:
-                m_row, l_row = _fold_tile(
-                    acc * scale2, rows, cols, rmask, cmask, m_row, l_row, col_part_ptr, rg, N,
-                    ROWS, COLS, ONE_EXP,
-                )
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                if cb == cb_end - 1:
-                    if ROWS:
-                        tl.store(row_part_ptr + cg.to(tl.int64) * B + rows, m_row + tl.log2(l_row), mask=rmask)
-                    m_row = tl.full((BLOCK_M,), neg_inf, dtype=tl.float32)
-                    l_row = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    else:
-        for rb in range(rb_start, rb_end):
-            rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
-            rmask = rows < B
-            m_row = tl.full((BLOCK_M,), neg_inf, dtype=tl.float32)
-            l_row = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for cb in range(cb_start, cb_end):
-                cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
-                cmask = cols < N
-                s2 = _tile_logits2(
-                    q_ptr, k_ptr, rows, cols, rmask, cmask, D, stride_q, stride_k, scale2,
-                    BLOCK_M, BLOCK_N, BLOCK_D, DOT_DTYPE, PRECISION,
-                )
-                m_row, l_row = _fold_tile(
-                    s2, rows, cols, rmask, cmask, m_row, l_row, col_part_ptr, rg, N, ROWS, COLS, ONE_EXP
-                )
-            if ROWS:
-                tl.store(row_part_ptr + cg.to(tl.int64) * B + rows, m_row + tl.log2(l_row), mask=rmask)
+            col_ptrs = col_part_ptr + rg.to(tl.int64) * N + cols
+            col_old = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            if COLS:
+                # Issued before the dots, so its latency hides behind them. Masked columns read 0
+                # (not -inf): they then never force the tile onto the two-reduction path.
+                col_old = tl.load(col_ptrs, mask=cmask, other=0.0)
+            s2 = _tile_logits2(
+                q_ptr, k_ptr, rows, cols, rmask, cmask, D, stride_q, stride_k, scale2,
+                BLOCK_M, BLOCK_N, BLOCK_D, DOT_DTYPE, PRECISION, EVEN,
+            )
+            m_row, l_row, col_new = _fold_tile(s2, rmask, cmask, m_row, l_row, col_old, ROWS, COLS, ONE_EXP, COL_REF, EVEN)
+            if COLS:
+                # Only this program touches this slice; its next read (a later row block) may come
+                # from another thread of the program.
+                tl.store(col_ptrs, col_new, mask=cmask)
+                tl.debug_barrier()
+        if ROWS:
+            tl.store(row_part_ptr + cg.to(tl.int64) * B + rows, m_row + tl.log2(l_row), mask=rmask)

@@ -327,7 +327,7 @@ def _ab(args) -> Dict[str, Any]:
     from bigbatch.backends.triton_softmax import TritonTiles
 
     fams = {"half": torch.bfloat16, "fp32": torch.float32}
-    fwd_vars = [{}, {"flat": 1}, {"one_exp": 1}]
+    fwd_vars = [{}, {"col_ref": 0}, {"one_exp": 1}]
     bwd_vars = {"half": [{}, {"ds_one_exp": 1}], "fp32": [{}, {"kmajor": 0}, {"ds_one_exp": 1}]}
     out: Dict[str, Any] = {"fwd": [], "bwd": [], "chosen": {}}
     for fam, dtype in fams.items():
