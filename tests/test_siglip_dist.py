@@ -311,3 +311,20 @@ def test_backend_workspace_bytes():
         for bad in (0, -1, 1.5, True):
             with pytest.raises(ValueError, match="workspace_bytes"):
                 cls(workspace_bytes=bad)
+
+
+def _random_worker(rank, world, configs):
+    return [_run_case(rank, sizes, labels, "torch", torch.float64, chunk) for sizes, labels, chunk in configs]
+
+
+def test_ring_random_shards_and_chunks():
+    """Random uneven shards (some smaller than the chunk count: empty chunks) and chunk sizes, 3 ranks."""
+    g = torch.Generator().manual_seed(7)
+    configs = []
+    for _ in range(12):
+        sizes = torch.randint(1, 10, (3,), generator=g).tolist()
+        chunk = int(torch.randint(1, max(sizes) + 2, (1,), generator=g))
+        configs.append((sizes, bool(torch.randint(0, 2, (1,), generator=g)), chunk))
+    per_rank = run_gloo(_random_worker, 3, configs)
+    for i, (sizes, labels, _) in enumerate(configs):
+        _check([r[i] for r in per_rank], sizes, labels, 1e-12)
