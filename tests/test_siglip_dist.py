@@ -290,7 +290,8 @@ def test_plan_ring_floor_is_documented():
     w = 1 << 29
     plan = plan_ring([4096] * 3, 32768, torch.float32, with_grad=True, workspace=w)
     assert plan.chunk_rows == 1024 and plan.backend_workspace == w // 4
-    excess = transient_bytes(4096, 32768, torch.float32, plan) - transient_bytes(4096, 32768, torch.float32, _one_gpu(4096, 32768, torch.float32, w))
+    one = _one_gpu(4096, 32768, torch.float32, w)
+    excess = transient_bytes(4096, 32768, torch.float32, plan) - transient_bytes(4096, 32768, torch.float32, one)
     assert excess == plan.slot_bytes + w // 4 - w > 0
 
 

@@ -255,7 +255,7 @@ def gather_full_matrix_siglip(q, k, scale, bias, group):
     value as the ring (world / B * this rank's rows' terms)."""
     import torch.distributed as dist
 
-    world, rank, b = dist.get_world_size(group), dist.get_rank(group), q.shape[0]
+    rank, b = dist.get_rank(group), q.shape[0]
     texts = _GatherWithGrad.apply(k, group)
     logits = scale * (q @ texts.t()) + bias
     labels = -torch.ones_like(logits)
@@ -354,10 +354,12 @@ def ring(args) -> Optional[Dict[str, Any]]:
         if b <= args.peer_max:
             with torch.no_grad():
                 vals = {n: f(q, k, log_scale.exp(), bias).double() for n, f in impls.items() if n != impls_one}
-            agreement = {n: (abs(v - vals["bigbatch-ring"]) / abs(vals["bigbatch-ring"])).item() for n, v in vals.items()}
+            ref = vals["bigbatch-ring"]
+            agreement = {n: (abs(v - ref) / abs(ref)).item() for n, v in vals.items()}
         for name, fn in impls.items():
             if name in ("neighbour-exchange", "gather-full-matrix") and b > args.peer_max:
-                r = {"status": "skipped", "reason": f"keeps b x b logits per step / b x B logits; local B > --peer-max {args.peer_max}"}
+                r = {"status": "skipped",
+                     "reason": f"keeps b x b (or b x B) logits; local B > --peer-max {args.peer_max}"}
             else:
                 dist.barrier()
                 r = _measure_ring_case(lambda: _step(fn, q, k, log_scale, bias), device, 1, args.repeat)

@@ -38,7 +38,6 @@ single-process gradients for the features, the scale and the bias.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -329,7 +328,8 @@ def ring_siglip_loss(
         impl = resolve_sigmoid_backend(backend, device, image_features.dtype)
         if impl == "reference":
             raise ValueError("backend='reference' has no ring form; use 'auto', 'torch' or 'triton' with group=")
-        if chunk_rows is not None and (not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1):
+        bad_chunk = not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1
+        if chunk_rows is not None and bad_chunk:
             raise ValueError(f"chunk_rows must be None or a positive int, got {chunk_rows!r}")
     except (TypeError, ValueError) as exc:
         error = f"{type(exc).__name__}: {exc}"
