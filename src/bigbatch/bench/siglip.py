@@ -308,6 +308,12 @@ def ring_correctness(b: int, d: int, dtype: torch.dtype, group, device) -> Dict[
     return out
 
 
+def _mm_acc_mode_name() -> Optional[str]:
+    from bigbatch.backends import gemm
+
+    return gemm._MM_ACC_MODE
+
+
 def ring(args) -> Optional[Dict[str, Any]]:
     import torch.distributed as dist
 
@@ -380,6 +386,7 @@ def ring(args) -> Optional[Dict[str, Any]]:
             if r["status"] == "ok":
                 r["tflops_6b2d_total"] = flops(r["global_batch"], args.dim) / (r["median_ms"] * 1e-3) / 1e12
                 r["tflops_6b2d_per_gpu"] = r["tflops_6b2d_total"] / (1 if one_gpu else world)
+                r["pct_of_bf16_matmul_per_gpu"] = 100.0 * r["tflops_6b2d_per_gpu"] / bf16_rate
             results.append(r)
             if rank == 0:
                 print(f"{name:>32} local B={b:>7} global={r['global_batch']:>7}  {r['status']}  "
@@ -404,6 +411,7 @@ def ring(args) -> Optional[Dict[str, Any]]:
             "memory": "extra_gib = peak allocated above the live memory before the call (inputs), "
                       "forward + backward, per rank; NCCL's own buffers are not in the torch allocator",
             "ring_correctness_rel_err": {"local_batch": args.check_batch, **check},
+            "mm_acc_mode": _mm_acc_mode_name(),
             "plans": plans,
             "memory_summary": summary,
             "results": results,
