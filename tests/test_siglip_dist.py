@@ -246,7 +246,7 @@ def test_ring_allocates_its_plan_within_the_one_gpu_workspace(world):
             assert plan.chunks == 2  # a small workspace cuts several chunks per block
             assert slot_bytes == plan.slot_bytes > 0
             assert told == plan.backend_workspace
-            assert plan.slot_bytes + plan.backend_workspace <= plan.workspace == 300_000
+            assert plan.backend_workspace == plan.workspace // 4 and plan.workspace <= 300_000  # the floor
             assert plan.k_slots == min(2, world - 1) and plan.dk_slots == 3
 
 
@@ -259,23 +259,30 @@ def _one_gpu(b, d, dtype, workspace):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("world", [2, 3, 8])
 def test_plan_ring_fits_the_one_gpu_budget(dtype, world):
-    """Per rank, fp32 dq + own dk + slots + the backend's share <= one GPU at the same local batch."""
+    """Per rank, fp32 dq + own dk + slots + the backend's share <= one GPU at the same local batch
+    (W = what the backend allocates for a b x b problem on a GPU), for the largest shard; a smaller
+    shard exceeds its own one-GPU value by at most the slots (they are sized by the largest)."""
     from bigbatch.backends.torch_sigmoid import TorchSigmoid
     from bigbatch.backends.triton_sigmoid import TritonSigmoid
     from bigbatch.distributed.sigmoid import plan_ring, transient_bytes
 
     cuda = torch.device("cuda")
-    for workspace in (TritonSigmoid().workspace_budget(cuda), TorchSigmoid().workspace_budget(cuda)):
-        for b, d in ((131072, 512), (262144, 512), (8192, 768), (1000, 4096), (262144, 8192)):
+    for backend in (TritonSigmoid(), TorchSigmoid()):
+        for b, d in ((131072, 512), (262144, 512), (4096, 512), (8192, 768), (32768, 1024), (65536, 4096)):
             for ids in (0, 8):
-                sizes = [b] * world
-                sizes[-1] = b // 3 + 1  # uneven shards: chunks are cut from the largest
-                plan = plan_ring(sizes, d, dtype, with_grad=True, workspace=workspace, id_itemsize=ids)
-                one = _one_gpu(b, d, dtype, workspace)
-                assert transient_bytes(b, d, dtype, plan) <= transient_bytes(b, d, dtype, one)
-                assert plan.slot_bytes <= workspace // 2 or plan.chunk_rows <= 1024
+                small = b // 3 + 1
+                sizes = [b] * (world - 1) + [small]  # uneven shards: chunks are cut from the largest
+                w_big = backend.workspace_for(b, b, d, dtype, cuda)
+                w_small = backend.workspace_for(small, small, d, dtype, cuda)
+                plan = plan_ring(sizes, d, dtype, with_grad=True, workspace=w_big, id_itemsize=ids)
+                assert transient_bytes(b, d, dtype, plan) <= transient_bytes(b, d, dtype, _one_gpu(b, d, dtype, w_big))
+                assert plan.slot_bytes <= w_big // 2
                 assert plan.chunks * plan.chunk_rows >= b > (plan.chunks - 1) * plan.chunk_rows
                 assert sum(plan.chunk(b, c).stop - plan.chunk(b, c).start for c in range(plan.chunks)) == b
+                low = plan_ring(sizes, d, dtype, with_grad=True, workspace=w_small, chunk_workspace=w_big, id_itemsize=ids)
+                assert (low.chunks, low.chunk_rows) == (plan.chunks, plan.chunk_rows)  # agreed on every rank
+                one_small = transient_bytes(small, d, dtype, _one_gpu(small, d, dtype, w_small))
+                assert transient_bytes(small, d, dtype, low) <= one_small + low.slot_bytes
     # 2 ranks, bf16, D = 512, Triton's 512 MiB: 8 chunks of 32768 rows at b = 262144, 224 MiB of slots.
     plan = plan_ring([262144] * 2, 512, torch.bfloat16, with_grad=True, workspace=1 << 29)
     assert (plan.chunks, plan.chunk_rows, plan.slot_bytes) == (8, 32768, 32768 * 512 * (2 + 3 * 4))
@@ -283,16 +290,25 @@ def test_plan_ring_fits_the_one_gpu_budget(dtype, world):
     assert plan_ring([100, 50], 64, torch.float32, with_grad=False, workspace=1 << 20).dk_slots == 0
 
 
-def test_plan_ring_floor_is_documented():
-    """Huge D: 1024-row chunks exceed 3W/4, the backend keeps W/4, the ring exceeds one GPU by the rest."""
+def test_plan_ring_floors_are_documented():
+    """Where the 1024-row floor bites, the ring exceeds one GPU by the documented amount."""
+    from bigbatch.backends.triton_sigmoid import TritonSigmoid
     from bigbatch.distributed.sigmoid import plan_ring, transient_bytes
 
+    # Huge D: 1024-row chunks exceed 3W/4; the backend keeps W/4.
     w = 1 << 29
     plan = plan_ring([4096] * 3, 32768, torch.float32, with_grad=True, workspace=w)
     assert plan.chunk_rows == 1024 and plan.backend_workspace == w // 4
     one = _one_gpu(4096, 32768, torch.float32, w)
     excess = transient_bytes(4096, 32768, torch.float32, plan) - transient_bytes(4096, 32768, torch.float32, one)
     assert excess == plan.slot_bytes + w // 4 - w > 0
+    # Tiny local batch (one GPU's G tile is b^2 * 2 bytes): below b ~ 2,700 at D = 512, bf16, 2 ranks.
+    cuda = torch.device("cuda")
+    for b, fits in ((2048, False), (2800, True)):
+        w = TritonSigmoid().workspace_for(b, b, 512, torch.bfloat16, cuda)
+        plan = plan_ring([b, b], 512, torch.bfloat16, with_grad=True, workspace=w)
+        one = transient_bytes(b, 512, torch.bfloat16, _one_gpu(b, 512, torch.bfloat16, w))
+        assert (transient_bytes(b, 512, torch.bfloat16, plan) <= one) == fits
 
 
 def test_backend_workspace_bytes():
@@ -302,6 +318,8 @@ def test_backend_workspace_bytes():
     cuda = torch.device("cuda")
     t = TritonSigmoid(workspace_bytes=3 << 20)
     assert t.workspace_budget(cuda) == 3 << 20 and t.with_workspace(1 << 20).workspace_budget(cuda) == 1 << 20
+    assert t.workspace_for(100000, 100000, 512, torch.bfloat16, cuda) <= 3 << 20
+    assert TritonSigmoid().workspace_for(1000, 3000, 64, torch.float16, cuda) == 1000 * 3000 * 2  # small: all of it
     for m, n in ((262144, 32768), (262144, 1000), (5000, 7), (100, 100000)):
         rows, cols = t._tiles(m, n, 2, cuda)
         assert rows * cols * 2 <= 3 << 20 and rows <= m and cols <= n

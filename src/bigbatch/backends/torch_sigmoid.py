@@ -82,6 +82,13 @@ class TorchSigmoid:
         """Bytes one automatic tile step may take on ``device`` (``workspace_bytes`` or the default)."""
         return self.workspace_bytes or _AUTO_WORKSPACE_BYTES.get(device.type, 64 << 20)
 
+    def workspace_for(self, m: int, n: int, d: int, dtype: torch.dtype, device: torch.device) -> int:
+        """Bytes of one tile step of ``sigmoid_pass`` on an M x N problem (the estimate its automatic
+        tiles are sized by: 4 tile temporaries + the upcast q and k blocks, compute dtype)."""
+        rows, cols = auto_tile(m, n, d, dtype, device, tiles=4, budget_bytes={device.type: self.workspace_budget(device)})
+        rows, cols = self.tile_rows or rows, self.tile_cols or cols
+        return (4 * rows * cols + (rows + cols) * d) * compute_dtype(dtype).itemsize
+
     def with_workspace(self, nbytes: int) -> "TorchSigmoid":
         """This backend with a tile-step budget of ``nbytes`` (the ring's share of the memory rule)."""
         return replace(self, workspace_bytes=max(1, int(nbytes)))

@@ -202,6 +202,12 @@ class TritonSigmoid:
         """Bytes the automatic G tile may take on ``device`` (``workspace_bytes`` or the default)."""
         return self.workspace_bytes or _AUTO_TILE_BYTES.get(device.type, 1 << 26)
 
+    def workspace_for(self, m: int, n: int, d: int, dtype: torch.dtype, device: torch.device) -> int:
+        """Bytes of the G tile that ``sigmoid_pass`` allocates for an M x N problem with gradients."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        rows, cols = self._tiles(m, n, itemsize, device)
+        return rows * cols * itemsize
+
     def with_workspace(self, nbytes: int) -> "TritonSigmoid":
         """This backend with a G-tile budget of ``nbytes`` (the ring's share of the memory rule)."""
         return replace(self, workspace_bytes=max(1, int(nbytes)))

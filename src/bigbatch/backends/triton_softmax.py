@@ -89,7 +89,8 @@ def _gpu_config(dtype: torch.dtype, device: torch.device) -> _Config:
         block_m=128, block_n=128, block_d=64, warps=4, stages=3,
         ds_block_m=128, ds_block_n=256, ds_block_d=64, ds_warps=8, ds_stages=3,
         mm_block_m=128, mm_block_n=64, mm_block_k=64, mm_warps=4, mm_stages=4,
-        super_rows=4096, super_cols=4096, programs=2 * sms,
+        # 4 programs per SM: forward 46.1 vs 47.5 ms (2 per SM) at B = 131072 (probe v2).
+        super_rows=4096, super_cols=4096, programs=4 * sms,
         # cuBLAS products: backward 129.7 ms vs 179.5 (two Triton launches) and 144.0 (paired launch)
         # at B = 131072, D = 512 on an H200 (benchmarks/results/probes/clip_kernel_probe_h200.json).
         products="cublas",
@@ -332,5 +333,8 @@ class TritonTiles:
             # d_scale = sum_ij dS_ij (q_i . k_j) = sum_j k_j . (dS.T @ q)_j: O(nj*D), no tile pass.
             d_scale += torch.dot(kj.reshape(-1).to(torch.float32), acc_j.reshape(-1))
             dk[j0 : j0 + nj] = acc_j.mul_(scale).to(grad_dtype)
+        # The workspaces (and every view of them) go before the fp32 dq is rounded, so the peak is
+        # dq_acc + dq + dk: 2 * (bytes(q) + bytes(k)) for half inputs.
+        del ws, ws_t, dk_acc, acc_j, ws_ij, ws_t_ij, kj_b, qi_b
         dq = dq_acc.mul_(scale).to(grad_dtype)
         return dq, dk, d_scale.to(ct)

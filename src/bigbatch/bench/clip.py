@@ -133,7 +133,8 @@ def run_case(impl: str, b: int, d: int, dname: str, args, rate_bf16: float) -> D
         loss.backward()
         return loss
 
-    warmup, repeat = (0, 1) if est > 5 else ((1, 2) if est > 1 else (args.warmup, args.repeat))
+    # Cases of a few seconds get fewer repeats; a 1 s case still gets 5 (its spread is ~10%).
+    warmup, repeat = (0, 1) if est > 5 else ((1, 3) if est > 2.5 else (args.warmup, args.repeat))
     try:
         res = measure(step, warmup=warmup, repeat=repeat)
     except RuntimeError as exc:  # e.g. a cuBLAS/triton failure at sizes past int32 indexing

@@ -50,8 +50,10 @@ from ..backends.base import SigmoidBackend, compute_dtype
 from ..sigmoid_loss import check_class_ids, resolve_sigmoid_backend
 from .ring import Ring, agree, dtype_code
 
-# The memory rule. W = the backend's workspace budget on one GPU (``backend.workspace_budget``;
-# TritonSigmoid: 512 MiB of G tile on a GPU; TorchSigmoid: 1 GiB of tile temporaries).
+# The memory rule. W = the workspace the backend uses on one GPU for a b x b problem
+# (``backend.workspace_for``; TritonSigmoid: its G tile, 512 MiB on a GPU for b >= 16384;
+# TorchSigmoid: its tile temporaries, up to 1 GiB). The chunk size is set by W of the largest
+# shard (the same on every rank); each rank's backend share by its own W.
 # The ring's slots take at most W / _RING_SHARE ...
 _RING_SHARE = 2
 # ... but a chunk has at least this many rows (or the whole block): narrower column chunks run the
@@ -85,7 +87,7 @@ class RingPlan:
     dk_slots: int  # fp32 dk-chunk slots: 3 with gradients on a ring of 2+, else 0
     row_bytes: int  # bytes of one row of all slots together
     slot_bytes: int  # chunk_rows * row_bytes
-    workspace: int  # W: the backend's one-GPU workspace budget
+    workspace: int  # W: the backend's workspace on one GPU at this rank's local batch
     backend_workspace: int  # W': what the backend is told it may use
 
     def chunk(self, n: int, c: int) -> slice:
@@ -100,14 +102,18 @@ def plan_ring(
     *,
     with_grad: bool,
     workspace: int,
+    chunk_workspace: Optional[int] = None,
     id_itemsize: int = 0,
     chunk_rows: Optional[int] = None,
 ) -> RingPlan:
     """The chunking and the memory split of one ring call (see :class:`RingPlan`).
 
-    ``sizes``: rows per rank; ``d``: feature dim; ``dtype``: the features' dtype; ``workspace``: W;
-    ``id_itemsize``: bytes per class id travelling with the text (0 without labels);
-    ``chunk_rows``: force the chunk size (tests, tuning) instead of the rule.
+    ``sizes``: rows per rank; ``d``: feature dim; ``dtype``: the features' dtype; ``workspace``: W
+    of this rank (one GPU at its local batch); ``chunk_workspace``: W of the largest shard, which
+    sets the chunk size on every rank alike (default ``workspace``); ``id_itemsize``: bytes per
+    class id travelling with the text (0 without labels); ``chunk_rows``: force the chunk size
+    (tests, tuning) instead of the rule. With uneven shards, a rank much smaller than the largest
+    has slots sized by the largest and may exceed its own one-GPU value by up to the slots.
     """
     world, bmax = len(sizes), max(int(n) for n in sizes)
     ct = compute_dtype(dtype).itemsize
@@ -117,7 +123,8 @@ def plan_ring(
     if world == 1:
         return RingPlan(1, 1, bmax, 0, 0, row_bytes, 0, workspace, workspace)
     if chunk_rows is None:
-        chunk_rows = max(_MIN_CHUNK_ROWS, workspace // _RING_SHARE // max(row_bytes, 1))
+        common = workspace if chunk_workspace is None else chunk_workspace
+        chunk_rows = max(_MIN_CHUNK_ROWS, common // _RING_SHARE // max(row_bytes, 1))
     rows = max(1, min(bmax, int(chunk_rows)))
     chunks = -(-bmax // rows)
     rows = -(-bmax // chunks)  # the largest chunk actually cut: ceil(bmax / C) <= the asked rows
@@ -362,10 +369,15 @@ def ring_siglip_loss(
 
 def _plan_and_backend(backend, sizes, q: Tensor, ids: Optional[Tensor], with_grad: bool, chunk_rows: Optional[int]):
     """The plan of the memory rule, and the backend told its share W' (when it can be told)."""
-    budget = getattr(backend, "workspace_budget", None)
-    workspace = budget(q.device) if budget is not None else _DEFAULT_WORKSPACE
+    d = q.shape[1]
+    need = getattr(backend, "workspace_for", None)
+    if need is not None:
+        workspace = need(q.shape[0], q.shape[0], d, q.dtype, q.device)
+        common = need(max(sizes), max(sizes), d, q.dtype, q.device)
+    else:
+        workspace = common = _DEFAULT_WORKSPACE
     plan = plan_ring(
-        sizes, q.shape[1], q.dtype, with_grad=with_grad, workspace=workspace,
+        sizes, d, q.dtype, with_grad=with_grad, workspace=workspace, chunk_workspace=common,
         id_itemsize=ids.element_size() if ids is not None else 0, chunk_rows=chunk_rows,
     )
     shrink = getattr(backend, "with_workspace", None)
