@@ -24,11 +24,12 @@ that order on every rank, and a rank sends a message exactly when its ``next`` e
 chunk of the same block, same emptiness), so posting orders match for NCCL and gloo.
 
 Memory per rank (the issue-7 rule, :func:`plan_ring`): one GPU at local batch ``b`` holds fp32
-``dq`` + ``dk`` (b x D each) + the backend's workspace ``W``. A rank holds ``dq`` + its own
+``dq`` + ``dk`` (b x D each) + the backend's workspace ``W`` for a b x b problem. A rank holds ``dq`` + its own
 block's ``dk`` + slots of ``chunk_rows`` rows -- text chunks (1 slot with 2 ranks, 2 with more;
 + their int64 ids with ``labels``) and 3 fp32 dk chunks (computing, arriving, leaving) -- + the
 backend's workspace, which the ring lowers to ``W' = W - slots - 1 MiB``. So the total is one GPU's
-whatever the number of ranks. FLOPs per rank: ``6 * b * B * D`` (B global), as on one GPU.
+whatever the number of ranks, except where the floors bite (tiny b, huge D: see :class:`RingPlan`).
+FLOPs per rank: ``6 * b * B * D`` (B global), as on one GPU.
 
 Value and gradients (OpenCLIP's convention, correct also for uneven shards): rank r returns
 ``world / B * sum_{i in r, all j} l_ij``. The mean over ranks of the returned values is the
@@ -74,10 +75,12 @@ class RingPlan:
 
     Bytes: ``slot_bytes`` for the ring's chunk buffers, ``backend_workspace`` (W') for the backend,
     out of the one-GPU budget ``workspace`` (W). ``slot_bytes + backend_workspace <= workspace``
-    unless the floors bite: ``_MIN_CHUNK_ROWS`` rows of slots above ``W (1 - 1/_MIN_BACKEND_SHARE)``,
-    i.e. a row of slots above 3W/4096 bytes (20*D bytes for fp32 features on 3+ ranks, 16*D for
-    bf16: with W = 512 MiB only for D > ~19,600 / ~24,500), or an explicit ``chunk_rows`` that
-    large; then the ring exceeds one GPU by ``slot_bytes + backend_workspace - workspace``.
+    unless a floor bites: slots of ``min(b, _MIN_CHUNK_ROWS)`` rows above ``W/2`` (then the
+    backend keeps ``max(W - slots - 1 MiB, W/4)``), or an explicit ``chunk_rows``; then the ring
+    exceeds one GPU by ``slot_bytes + backend_workspace - workspace``. It happens (a) for tiny
+    local batches, whose one-GPU G tile is only ``b^2 * itemsize``: with TritonSigmoid, D = 512,
+    bf16 and 2 ranks, below b ~ 2,700 (by at most ~8 MiB); (b) for huge D: 1024 rows of slots
+    above 3W/4 with W = 512 MiB means D > ~19,600 (fp32, 3+ ranks) or ~24,500 (bf16).
     """
 
     world: int
