@@ -59,6 +59,14 @@ def _autocast(device: torch.device, dtype: Optional[torch.dtype]) -> Callable[[]
     return lambda: torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def _no_autocast(device: torch.device, dtype: Optional[torch.dtype]) -> Callable[[], Any]:
+    """Autocast switched off inside a pass-wide autocast context (for a chunk's backward). A nested
+    context: leaving it keeps the outer context's weight-cast cache."""
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type=device.type, enabled=False)
+
+
 def _rep(opts: EngineOptions, model: nn.Module, chunk: Any, rows: int) -> Tensor:
     rep = opts.get_rep(call_model(model, chunk))
     if not isinstance(rep, Tensor):
@@ -104,17 +112,21 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
         device = model_device(mine[0].model)
         amp = _autocast(device, opts.autocast_dtype)
         params = [next(iter(mine[0].model.parameters()), None)]
-        for u, chunk in zip(mine, staged([u.chunk for u in mine], device, opts.offload_inputs)):
-            if u.keep:
-                with sync_context(u.model, sync=False)(), torch.enable_grad(), amp():
-                    rep = _rep(opts, u.model, chunk, u.rows)
-                u.kept_rep = rep
-                rep = compact(rep)
-            else:
-                u.rng = RngState(cuda_devices_of(tensor_leaves(chunk) + [p for p in params if p is not None]))
-                with torch.no_grad(), amp():
-                    rep = compact(_rep(opts, u.model, chunk, u.rows))
-            per_input[i].append(rep.to("cpu", non_blocking=False) if opts.offload_reps else rep)
+        # One autocast context for all chunks of this input: autocast casts each fp32 weight to
+        # half once per context, so the chunks share one cast (one ~2-bytes-per-parameter copy kept
+        # for the pass) instead of re-casting every weight per chunk.
+        with amp():
+            for u, chunk in zip(mine, staged([u.chunk for u in mine], device, opts.offload_inputs)):
+                if u.keep:
+                    with sync_context(u.model, sync=False)(), torch.enable_grad():
+                        rep = _rep(opts, u.model, chunk, u.rows)
+                    u.kept_rep = rep
+                    rep = compact(rep)
+                else:
+                    u.rng = RngState(cuda_devices_of(tensor_leaves(chunk) + [p for p in params if p is not None]))
+                    with torch.no_grad():
+                        rep = compact(_rep(opts, u.model, chunk, u.rows))
+                per_input[i].append(rep.to("cpu", non_blocking=False) if opts.offload_reps else rep)
     out = []
     for i, reps in enumerate(per_input):
         if not reps:
@@ -154,11 +166,16 @@ def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: Eng
         model = units[rerun[0]].model
         device = model_device(model)
         amp = _autocast(device, opts.autocast_dtype)
-        for n, (k, chunk) in enumerate(zip(rerun, staged([units[k].chunk for k in rerun], device, opts.offload_inputs))):
-            u = units[k]
-            sync = n == len(rerun) - 1 or opts.ddp_sync == "every_chunk"
-            with sync_context(u.model, sync=sync)():
-                with torch.enable_grad(), u.rng.replay(), amp():
-                    rep = _rep(opts, u.model, chunk, u.rows)
-                torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype))
-            del rep
+        no_amp = _no_autocast(device, opts.autocast_dtype)
+        # As in pass 1, one autocast context (one weight cast) for every re-run chunk of the model;
+        # each chunk's backward runs with autocast off, as it would outside the context.
+        with amp():
+            for n, (k, chunk) in enumerate(zip(rerun, staged([units[k].chunk for k in rerun], device, opts.offload_inputs))):
+                u = units[k]
+                sync = n == len(rerun) - 1 or opts.ddp_sync == "every_chunk"
+                with sync_context(u.model, sync=sync)():
+                    with torch.enable_grad(), u.rng.replay():
+                        rep = _rep(opts, u.model, chunk, u.rows)
+                    with no_amp():
+                        torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype))
+                del rep
