@@ -288,8 +288,11 @@ class TritonTiles:
         def products_acc(a1: Tensor, b1: Tensor, c1: Tensor, a2: Tensor, b2: Tensor, c2: Tensor) -> None:
             """c1 += a1 @ b1 and c2 += a2 @ b2 (c fp32 with contiguous rows, N = D for both)."""
             if products == "cublas":
-                mm_acc(c1, a1, b1)
-                mm_acc(c2, a2, b2)
+                # cuBLAS wants one operand dtype: fp16 features meet the bf16 dS workspace here, so
+                # they are rounded to bf16, as the Triton products do in registers (copies of one
+                # super-tile's q_i / k_j: 2 * 4096 * D bytes).
+                mm_acc(c1, a1, b1.to(a1.dtype))
+                mm_acc(c2, a2, b2.to(a2.dtype))
             elif products == "pair":
                 matmul_acc_pair_kernel[(tiles(a1.shape[0]) + tiles(a2.shape[0]),)](
                     a1, b1, c1, a1.shape[0], a1.shape[1], a1.stride(0), a1.stride(1), b1.stride(0), b1.stride(1), c1.stride(0),
