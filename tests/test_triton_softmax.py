@@ -389,7 +389,8 @@ def test_gpu_variants(dtype, tune):
     q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
     ref = reference.clip_loss(q64, k64, 1 / 0.07)
     ref.backward()
-    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    # fp16 features meet the bf16 dS workspace in the products (rounded to bf16 there): half tolerance.
+    tol = 2e-3 if dtype == torch.float32 else 1e-2
     assert_rel(loss, ref, tol, "loss")
     assert_rel(q.grad, q64.grad, tol, "d image")
     assert_rel(k.grad, k64.grad, tol, "d text")
