@@ -53,7 +53,7 @@ def main():
                 logit = torch.tensor(math.log(1 / 0.07), device="cuda", requires_grad=True)
                 row = {"dtype": dname, "B": b, "D": d}
                 fns = {name: (lambda be=TritonTiles(tune=t): bigbatch.clip_loss(q, k, logit.exp(), backend=be)) for name, t in variants.items()}
-                if dname == "fp32" and _infcl_available():
+                if dname == "fp32" and _infcl_available() and b <= 65536:
                     fns["infcl"] = lambda: _infcl(q, k, logit.exp())
                 for name, fn in fns.items():
                     def step(fn=fn):
