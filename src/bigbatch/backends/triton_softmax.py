@@ -7,7 +7,7 @@ protocol on CUDA GPUs (and on the CPU under ``TRITON_INTERPRET=1``, for tests).
   recomputes the tile and writes dS into a bounded workspace, two matmul kernels accumulate
   ``dS @ k`` and ``dS.T @ q`` in fp32; ``6*B*N*D`` FLOPs. Memory: the fp32 ``dq``
   accumulator (B x D), one fp32 ``dk`` accumulator per key super-block (TN x D), the dS
-  workspace (32 MiB: 4096 x 4096 bf16, or 4096 x 2048 fp32 plus its transpose) and the outputs.
+  workspace (32 MiB: 4096 x 4096 bf16, or 4096 x 4096 fp32 plus its transpose: 128 MiB) and the outputs.
 
 Precision: bf16/fp16 operands on tensor cores with fp32 accumulation (the dS workspace is
 bf16 for both: its exponent range keeps tiny probabilities times tiny upstream gradients);
@@ -83,7 +83,10 @@ def _gpu_config(dtype: torch.dtype, device: torch.device) -> _Config:
             block_m=128, block_n=128, block_d=32, warps=4, stages=3,
             ds_block_m=128, ds_block_n=128, ds_block_d=32, ds_warps=4, ds_stages=3,
             mm_block_m=128, mm_block_n=128, mm_block_k=32, mm_warps=8, mm_stages=3,
-            super_rows=4096, super_cols=2048, programs=2 * sms, kmajor=1,
+            # 4096 x 4096 super-tiles (dS and dS.T: 2 x 64 MiB) and one launch for both products:
+            # B = 8192 / 32768 / 262144, D = 512 in 2.95 / 25.1 / 1591 ms against 3.53 / 32.5 /
+            # 2052 ms with 4096 x 2048 and two launches (benchmarks/results/probes/clip_fp32_ab_h200.json).
+            super_rows=4096, super_cols=4096, programs=2 * sms, kmajor=1, products="pair",
         )
     return _Config(
         block_m=128, block_n=128, block_d=64, warps=4, stages=3,
