@@ -299,6 +299,35 @@ def test_bf16_autocast():
     assert err_gc <= 1.5 * err_ref + 1e-3, (err_gc, err_ref)
 
 
+def test_autocast_weight_casts_do_not_grow_with_chunks():
+    """Under autocast_dtype the chunks of one pass share autocast's cast of each weight: the number
+    of fp32 -> half weight casts per step does not depend on the number of chunks."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    models = [m.float() for m in make_models(2)]
+    x, y = make_input("tensor", 16, 1).float(), make_input("tensor", 16, 2).float()
+    owner = {p.data_ptr(): (i, n) for i, m in enumerate(models) for n, p in m.named_parameters()}
+
+    def casts(chunk):
+        counts = Counter()
+
+        class Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in owner:
+                    counts[owner[args[0].data_ptr()]] += 1
+                return func(*args, **(kwargs or {}))
+
+        with Count():
+            GradCache(models, chunk_sizes=chunk, loss_fn=clip(), autocast_dtype=torch.bfloat16)(x, y)
+        return counts
+
+    few, many = casts(8), casts(2)  # 2 and 8 chunks per input
+    assert few and few == many, (few, many)
+    assert max(many.values()) <= 3, many  # one cast per pass (+1 at most for a kept chunk's graph)
+
+
 def test_fp16_grad_scaler_scaled_cache_and_skip():
     models = [m.float() for m in make_models(2)]
     params = params_of(models)
