@@ -70,7 +70,8 @@ class _Config:
     col_ref: int = 1  # forward: columns referenced to their running partial (one cross-warp reduction per tile)
     kmajor: int = 0  # backward products read K-major operands (dS.T copy, transposed q/k chunks)
     # backward products: "separate" (two Triton launches), "pair" (both in one Triton launch),
-    # "cublas" (two cuBLAS GEMMs with fp32 output; half inputs only, fp32 uses the Triton path)
+    # "cublas" (two cuBLAS GEMMs with fp32 output; half inputs: fp32 inputs on a GPU raise, since
+    # cuBLAS fp32 GEMMs follow torch's global TF32 flag instead of ``precision``)
     products: str = "separate"
 
 

@@ -3,25 +3,26 @@
 Grid and partials
 -----------------
 The (row-block x col-block) tile grid is cut into ``RG x CG`` rectangles, one program each
-(about two programs per SM). Program ``(rg, cg)`` walks its row blocks (outer loop) and, for
-each, its column blocks (inner loop):
+(2-4 programs per SM). Program ``(rg, cg)`` walks its row blocks (outer loop) and, for each,
+its column blocks (inner loop):
 
 * row statistics of the current row block live in registers as a running ``(m, l)`` pair and
   are written once per row block as a partial LSE into ``row_part[cg, rows]``;
 * column statistics are read-modify-written per tile in ``col_part[rg, cols]`` (a partial LSE
   per (row group, column)); only this program touches that slice, so no atomics are needed.
+  The old partial is each column's reference for the tile (see :func:`_fold_tile`).
 
 The host merges the ``CG`` (resp. ``RG``) partials with one ``torch.logsumexp``. Workspace:
-``4 * (CG * B + RG * N)`` bytes (32 MiB at B = N = 262144 with 16 x 16 groups); no B x N tensor.
+``4 * (CG * B + RG * N)`` bytes (48 MiB at B = N = 262144 with 22 x 24 groups); no B x N tensor.
 
 Numerics
 --------
 Everything after the dot is fp32 in base 2 (``s2 = S * log2(e)``, ``exp2``/``log2``), with a
-running max per row and a per-tile max per column, so logits of 1e4 stay exact. NaN
-propagates: even where ``tl.maximum`` drops a NaN, the NaN reaches the sum of ``exp2`` terms
-and, from there, the LSE. Masked rows/columns are set to ``-inf`` before each reduction;
-every valid row/column has at least one valid entry in every tile it meets, so no
-``-inf - -inf`` is ever formed for a stored value.
+running max per row and, per column, a reference that bounds the tile's logits within 2^64
+(else the exact per-tile column max), so logits of 1e4 stay exact. NaN propagates: even where
+``tl.maximum`` drops a NaN, the NaN reaches the sum of ``exp2`` terms and, from there, the
+LSE. Masked entries are ``-inf``; every valid row/column has at least one valid entry in every
+tile it meets, so no ``-inf - -inf`` is ever formed for a stored value.
 
 FLOPs: ``2*B*N*D`` (the dots) plus two ``exp2`` per logit (one per direction).
 """
