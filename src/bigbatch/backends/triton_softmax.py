@@ -286,17 +286,23 @@ class TritonTiles:
                 "follow torch's global TF32 flag, not precision=); use 'separate' or 'pair'"
             )
 
+        def operand(x: Tensor) -> Tensor:
+            """A super-tile's q_i or k_j as the right operand of the products. kmajor: a K-major copy
+            (the same (rows, D) view, rows contiguous). cuBLAS wants one operand dtype, so fp16
+            features meeting the bf16 dS workspace are rounded to bf16, as the Triton products do
+            in registers (a copy of rows * D elements; bf16 inputs: no copy)."""
+            if kmajor:
+                return x.t().contiguous().t()
+            return x.to(ws_dtype) if products == "cublas" else x
+
         def tiles(m_: int) -> int:
             return triton.cdiv(m_, cfg.mm_block_m) * triton.cdiv(d, cfg.mm_block_n)
 
         def products_acc(a1: Tensor, b1: Tensor, c1: Tensor, a2: Tensor, b2: Tensor, c2: Tensor) -> None:
             """c1 += a1 @ b1 and c2 += a2 @ b2 (c fp32 with contiguous rows, N = D for both)."""
             if products == "cublas":
-                # cuBLAS wants one operand dtype: fp16 features meet the bf16 dS workspace here, so
-                # they are rounded to bf16, as the Triton products do in registers (copies of one
-                # super-tile's q_i / k_j: 2 * 4096 * D bytes).
-                mm_acc(c1, a1, b1.to(a1.dtype))
-                mm_acc(c2, a2, b2.to(a2.dtype))
+                mm_acc(c1, a1, b1)
+                mm_acc(c2, a2, b2)
             elif products == "pair":
                 matmul_acc_pair_kernel[(tiles(a1.shape[0]) + tiles(a2.shape[0]),)](
                     a1, b1, c1, a1.shape[0], a1.shape[1], a1.stride(0), a1.stride(1), b1.stride(0), b1.stride(1), c1.stride(0),
@@ -313,7 +319,7 @@ class TritonTiles:
         for j0 in range(0, n, tn):
             nj = min(tn, n - j0)
             kj = k[j0 : j0 + nj]
-            kj_b = kj.t().contiguous().t() if kmajor else kj  # (nj, D) view, K (=nj) contiguous
+            kj_b = operand(kj)  # once per key super-block, reused by every row super-block
             acc_j = dk_acc[:nj].zero_()
             for i0 in range(0, b, tm):
                 ni = min(tm, b - i0)
@@ -334,7 +340,7 @@ class TritonTiles:
                     EVEN=ni % cfg.ds_block_m == 0 and nj % cfg.ds_block_n == 0 and d % cfg.ds_block_d == 0,
                     num_warps=cfg.ds_warps, num_stages=cfg.ds_stages,
                 )
-                qi_b = qi.t().contiguous().t() if kmajor else qi
+                qi_b = operand(qi)
                 # dq_i += dS @ k_j and dk_j += dS.T @ q_i
                 products_acc(ws_ij, kj_b, dq_acc[i0 : i0 + ni], ws_t_ij, qi_b, acc_j)
             # d_scale = sum_ij dS_ij (q_i . k_j) = sum_j k_j . (dS.T @ q)_j: O(nj*D), no tile pass.
