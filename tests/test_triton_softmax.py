@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import bigbatch
@@ -158,6 +158,25 @@ def test_even_shapes_and_column_reference(tune, jumps):
     assert torch.isnan(lr[77]) and torch.isnan(lc).all() and not torch.isnan(lr[:77]).any()
 
 
+@pytest.mark.parametrize("products", ["separate", "pair", "cublas"])
+def test_products_take_half_features(products):
+    """fp16 features meet a workspace of another dtype in the products (the right operand is
+    converted once per super-tile); every product path agrees with float64."""
+    b, n, d = 40, 52, 24
+    q, k = _data(b, n, d, torch.float16, seed=41)
+    s = torch.tensor(7.0, device=DEVICE)
+    be = TritonTiles(block_m=16, block_n=16, block_d=16, super_tile=(24, 32), tune={"products": products})
+    lr, lc = be.lse(q, k, s, rows=True, cols=True)
+    g = torch.Generator().manual_seed(3)
+    g_row, g_col = torch.rand(b, generator=g).to(DEVICE), torch.rand(n, generator=g).to(DEVICE)
+    dq, dk, d_s = be.lse_grad(q, k, s, lr, lc, g_row, g_col)
+    ref_dq, ref_dk, ref_ds = _ref_grad(q, k, 7.0, g_row, g_col)
+    assert dq.dtype == dk.dtype == torch.float16
+    assert_rel(dq, ref_dq, 2e-3, "dq")
+    assert_rel(dk, ref_dk, 2e-3, "dk")
+    assert_rel(d_s, ref_ds, 1e-4, "d_scale")
+
+
 def test_lse_grad_no_direction_is_zero():
     q, k = _data(9, 11, 5, torch.float32)
     s = torch.tensor(1.0, device=DEVICE)
@@ -252,6 +271,7 @@ def test_non_contiguous_inputs():
     scale=st.floats(0.1, 60.0),
     seed=st.integers(0, 2**16),
 )
+@example(b=1, n=28, d=26, scale=56.296007114335104, seed=5511)
 def test_property_random_shapes(b, n, d, scale, seed):
     q, k = _data(b, n, d, torch.float32, seed=seed, normalize=seed % 2 == 0)
     s = torch.tensor(scale, device=DEVICE)
@@ -267,11 +287,14 @@ def test_property_random_shapes(b, n, d, scale, seed):
     assert (dq.double() - ref_dq).abs().max() <= 1e-4 * (1 + ref_dq.abs().max())
     assert (dk.double() - ref_dk).abs().max() <= 1e-4 * (1 + ref_dk.abs().max())
     # d_scale = sum_ij dS_ij (q k^T)_ij with signed dS cancels heavily: fp32 rounding is relative
-    # to the size of the terms, not of the sum.
+    # to the size of the terms, not of the sum. And an fp32 LSE of logits ~|S| carries an absolute
+    # error ~|S| * 2^-23, i.e. a relative error of that size in every probability: unnormalised
+    # features at scale 60 reach |S| ~ 700 (found by hypothesis: b=1, n=28, d=26, seed=5511).
     logits, lr64, lc64 = _ref_stats(q, k, scale)
     ds64 = torch.exp(logits - lr64[:, None]) * g_row.double()[:, None] + torch.exp(logits - lc64[None, :]) * g_col.double()[None, :]
     terms = (ds64 * logits / scale).abs().sum().item()
-    assert abs(d_s.item() - ref_ds.item()) <= 1e-4 * (1 + abs(ref_ds.item())) + 1e-6 * terms
+    s_max = max(1.0, logits.abs().max().item() / 10)
+    assert abs(d_s.item() - ref_ds.item()) <= 1e-4 * (1 + abs(ref_ds.item())) + 1e-6 * terms * s_max
 
 
 def test_bad_arguments():
