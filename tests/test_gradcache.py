@@ -378,7 +378,7 @@ def test_auto_chunk_from_budget_on_cpu():
     models = make_models(2)
     params = params_of(models)
     x, y = make_input("tensor", 40, 1), make_input("tensor", 40, 2)
-    gc = GradCache(models, loss_fn=clip(), memory_budget="12KiB")
+    gc = GradCache(models, loss_fn=clip(), memory_budget="24KiB")
     zero(params)
     torch.manual_seed(4)
     gc(x, y)
@@ -395,7 +395,7 @@ def test_auto_chunk_from_budget_on_cpu():
     with pytest.raises(ValueError, match="chunk_sizes=<rows per chunk> or memory_budget"):
         GradCache(models, loss_fn=clip())(x, y)
     with pytest.raises(ValueError, match="too small for even one example"):
-        GradCache(models, loss_fn=clip(), memory_budget=64)(x, y)
+        GradCache(models, loss_fn=clip(), memory_budget=64, offload_reps=True)(x, y)
 
 
 def test_parse_memory():
@@ -485,3 +485,25 @@ def test_chunk_size_rule():
     cost = ChunkCost(fixed=100.0, per_row=10.0, act_per_row=5.0)
     assert cost.largest_chunk(100 + 10 * 30, 1000) == 30
     assert cost.largest_chunk(100 + 10 * 30, 20) == 20
+
+
+def test_budget_leaves_room_for_the_cached_representations():
+    """The whole batch's representations and their gradients live through the step: chunks are
+    planned in what the budget leaves after them (and with offload_reps they are not counted)."""
+    from bigbatch.gradcache.budget import ChunkCost, planning_budget
+
+    cost = ChunkCost(fixed=0.0, per_row=1.0, act_per_row=1.0, rep_per_row=8.0)
+    assert cost.cached(100) == 1600.0
+    assert planning_budget(10_000, 0.95, cost.cached(100)) == 9500 - 1600
+    with pytest.raises(ValueError, match="cached representations.*offload_reps=True"):
+        planning_budget(10_000, 0.95, cost.cached(1000))
+    models = make_models(2)
+    x, y = make_input("tensor", 40, 1), make_input("tensor", 40, 2)
+    gc = GradCache(models, loss_fn=clip(), memory_budget="24KiB")
+    gc(x, y)
+    probed = gc._prober._cache.values()
+    assert probed and all(c.rep_per_row == 8 * 8 for c in probed)  # float64 (rows, 8) representations
+    with pytest.raises(ValueError, match="cached representations"):  # 2 x 2 x 5000 x D x 4 bytes > 1 MiB
+        GradCache(models, loss_fn=clip(), memory_budget="1MiB")(make_input("tensor", 5000, 1), make_input("tensor", 5000, 2))
+    off = GradCache(models, loss_fn=clip(), memory_budget="1MiB", offload_reps=True)
+    off(make_input("tensor", 5000, 1), make_input("tensor", 5000, 2))  # reps on the CPU: fits

@@ -57,11 +57,17 @@ def parse_memory(value: MemoryArg, name: str = "memory_budget") -> Optional[int]
 @dataclass(frozen=True)
 class ChunkCost:
     """Memory model of one chunk: ``fixed + per_row * rows`` at the forward+backward peak,
-    ``act_per_row * rows`` held by a kept graph between the forward and its backward."""
+    ``act_per_row * rows`` held by a kept graph between the forward and its backward, and
+    ``rep_per_row`` bytes of representation per row (cached for the whole batch, with its gradient)."""
 
     fixed: float
     per_row: float
     act_per_row: float
+    rep_per_row: float = 0.0
+
+    def cached(self, rows: int) -> float:
+        """Bytes of the cached representations of ``rows`` rows and their gradients (same dtype)."""
+        return 2.0 * self.rep_per_row * rows
 
     def peak(self, rows: int) -> float:
         return self.fixed + self.per_row * rows
@@ -92,6 +98,19 @@ def even_out(fit: int, b: int) -> int:
     return fit if n == 1 or 2 * tail >= fit else -(-b // n)
 
 
+def planning_budget(budget: int, fraction: float, cached: float) -> int:
+    """The bytes chunks and kept graphs are planned against: ``fraction`` of ``budget`` (slack for
+    allocator rounding and the loss) less ``cached``, the bytes of the whole batch's cached
+    representations and their gradients, which live through the whole step."""
+    usable = int(budget * fraction - cached)
+    if usable <= 0:
+        raise ValueError(
+            f"memory_budget of {budget / 2**30:.3g} GiB cannot even hold the cached representations and "
+            f"their gradients ({cached / 2**30:.3g} GiB): raise it, or pass offload_reps=True to keep them on the CPU"
+        )
+    return usable
+
+
 def _signature(model: nn.Module, x: Any, autocast: Optional[torch.dtype]) -> Tuple:
     leaves = tuple((tuple(t.shape[1:]), t.dtype) for t in tensor_leaves(x))
     return (id(model), leaves, autocast)
@@ -108,8 +127,12 @@ def _restored_buffers(model: nn.Module):
                 b.copy_(v)
 
 
-def _measure(model, x, get_rep, autocast_ctx, params, device) -> Tuple[float, float]:
-    """(peak, act) bytes of one forward + backward of chunk ``x``."""
+def _rep_bytes(rep: Tensor) -> float:
+    return float(rep.numel() * rep.element_size())
+
+
+def _measure(model, x, get_rep, autocast_ctx, params, device) -> Tuple[float, float, float]:
+    """(peak, act, representation) bytes of one forward + backward of chunk ``x``."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
@@ -117,10 +140,11 @@ def _measure(model, x, get_rep, autocast_ctx, params, device) -> Tuple[float, fl
         with autocast_ctx():
             rep = get_rep(call_model(model, x))
         act = torch.cuda.memory_allocated(device) - base
+        rep_bytes = _rep_bytes(rep)
         torch.autograd.grad(rep, params, grad_outputs=torch.ones_like(rep), allow_unused=True)
         del rep
         torch.cuda.synchronize(device)
-        return float(torch.cuda.max_memory_allocated(device) - base), float(act)
+        return float(torch.cuda.max_memory_allocated(device) - base), float(act), rep_bytes
     saved = [0]
 
     def pack(t: Tensor) -> Tensor:
@@ -131,7 +155,7 @@ def _measure(model, x, get_rep, autocast_ctx, params, device) -> Tuple[float, fl
         rep = get_rep(call_model(model, x))
     torch.autograd.grad(rep, params, grad_outputs=torch.ones_like(rep), allow_unused=True)
     grads = sum(p.numel() * p.element_size() for p in params)
-    return float(2 * saved[0] + grads), float(saved[0])
+    return float(2 * saved[0] + grads), float(saved[0]), _rep_bytes(rep)
 
 
 class ChunkProber:
@@ -158,12 +182,13 @@ class ChunkProber:
             for c in sorted({c1, c2}):
                 chunk = to_device(split_batch(x, c)[0], device)
                 points.append((c, *_measure(model, chunk, get_rep, autocast_ctx, params, device)))
+        rep_per_row = points[-1][3] / points[-1][0]
         if len(points) == 1:  # the whole batch is smaller than the first probe: assume no fixed part
-            c, peak, act = points[0]
-            cost = ChunkCost(0.0, peak / c, act / c)
+            c, peak, act, _ = points[0]
+            cost = ChunkCost(0.0, peak / c, act / c, rep_per_row)
         else:
-            (ca, pa, aa), (cb, pb, ab) = points
+            (ca, pa, aa, _), (cb, pb, ab, _) = points
             slope = max((pb - pa) / (cb - ca), pb / cb * 0.5, 1.0)
-            cost = ChunkCost(max(pb - slope * cb, 0.0), slope, max(ab / cb, (ab - aa) / (cb - ca)))
+            cost = ChunkCost(max(pb - slope * cb, 0.0), slope, max(ab / cb, (ab - aa) / (cb - ca)), rep_per_row)
         self._cache[key] = cost
         return cost

@@ -17,7 +17,7 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch import Tensor, nn
 
-from .budget import ChunkProber, MemoryArg, parse_memory
+from .budget import ChunkProber, MemoryArg, parse_memory, planning_budget
 from .cache import _BUDGET_FRACTION, _identity, check_options, default_budget
 from .chunking import batch_size, model_device, pin, split_batch
 from .engine import EngineOptions, Unit, _autocast, backprop, encode, finalize_plan
@@ -95,7 +95,8 @@ def cached_encode(
         budget = budget or default_budget(device)
         module = model.module if is_ddp(model) else model
         cost = _PROBER.cost(module, inputs, get_rep, _autocast(device, autocast_dtype), autocast_dtype)
-        chunk_size = cost.largest_chunk(int(budget * _BUDGET_FRACTION), b)
+        cached = 0.0 if offload_reps else cost.cached(b)
+        chunk_size = cost.largest_chunk(planning_budget(budget, _BUDGET_FRACTION, cached), b)
     chunks = split_input_fn(inputs, chunk_size) if split_input_fn is not None else split_batch(inputs, chunk_size, short_first=True)
     units = [Unit(0, model, c, batch_size(c, "a chunk of inputs")) for c in chunks]
     opts = EngineOptions(get_rep, autocast_dtype, offload_inputs, offload_reps, ddp_sync)
