@@ -17,7 +17,7 @@ from torch import nn
 
 import bigbatch
 from bigbatch.gradcache import GradCache, cached_encode, parse_memory
-from bigbatch.gradcache.chunking import split_batch
+from bigbatch.gradcache.chunking import planned_rows, split_batch, split_rows
 
 from helpers import assert_rel, rel_err
 
@@ -90,6 +90,12 @@ def grads(params):
     return [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
 
 
+def cut(x, n):
+    """Chunks of ``x``: ``n`` rows each (short chunk first, as GradCache with chunk_sizes=n), or the
+    row counts of a list (``gc.last_chunk_rows[i]`` of a budget-sized step)."""
+    return split_batch(x, n, short_first=True) if isinstance(n, int) else split_rows(x, n)
+
+
 def reference(models, inputs, chunk, loss_fn, seed, autocast=None, **loss_kwargs):
     """(loss, grads): the same chunks with one graph over the whole batch (same RNG draws)."""
     ms = models * len(inputs) if len(models) == 1 else models
@@ -97,7 +103,7 @@ def reference(models, inputs, chunk, loss_fn, seed, autocast=None, **loss_kwargs
     torch.manual_seed(seed)
     ctx = torch.autocast("cpu", dtype=autocast) if autocast else torch.autocast("cpu", enabled=False)
     with ctx:
-        reps = [torch.cat([call(m, c) for c in split_batch(x, n, short_first=True)]) for m, x, n in zip(ms, inputs, chunks)]
+        reps = [torch.cat([call(m, c) for c in cut(x, n)]) for m, x, n in zip(ms, inputs, chunks)]
         loss = loss_fn(*reps, **loss_kwargs)
     loss.backward()
     return loss.detach()
@@ -382,11 +388,12 @@ def test_auto_chunk_from_budget_on_cpu():
     zero(params)
     torch.manual_seed(4)
     gc(x, y)
-    sizes = gc.last_chunk_sizes
+    sizes, rows = gc.last_chunk_sizes, gc.last_chunk_rows
     assert all(1 <= s < 40 for s in sizes), sizes
+    assert [r[-1] for r in rows] == sizes and [sum(r) for r in rows] == [40, 40]  # the largest chunk last
     got = grads(params)
     zero(params)
-    reference(models, [x, y], sizes, clip(), seed=4)
+    reference(models, [x, y], rows, clip(), seed=4)
     for i, (g, r) in enumerate(zip(got, grads(params))):
         assert_rel(g, r, TOL, f"auto-chunk grad {i}")
     big = GradCache(models, loss_fn=clip(), memory_budget=2**30)
@@ -477,11 +484,17 @@ def test_cached_representations_do_not_pin_model_outputs():
 
 
 def test_chunk_size_rule():
-    from bigbatch.gradcache.budget import ChunkCost, even_out
+    from bigbatch.gradcache.budget import ChunkCost
 
-    assert even_out(292, 512) == 292  # short chunk of 220 rows: keep full-size chunks
-    assert even_out(292, 2048) == 256  # a 4-row chunk would cost a whole chunk's overhead: equal chunks
-    assert even_out(292, 8192) == 283 and even_out(292, 292) == 292 and even_out(5, 3) == 5
+    assert planned_rows(512, 308) == [204, 308]
+    assert planned_rows(1024, 308) == [238, 239, 239, 308]  # no 100-row chunk: the rest split evenly
+    assert planned_rows(2048, 308) == [290, 290, 290, 290, 290, 290, 308]
+    assert planned_rows(300, 308) == [300] and planned_rows(3, 5) == [3] and planned_rows(7, 1) == [1] * 7
+    for b in range(1, 60):
+        for fit in range(1, 20):
+            rows = planned_rows(b, fit)
+            assert sum(rows) == b and max(rows) == rows[-1] == min(b, fit) and max(rows) - min(rows[:-1] or rows) <= fit
+            assert len(rows) == -(-b // fit) and (len(rows) < 3 or max(rows[:-1]) - min(rows[:-1]) <= 1)
     cost = ChunkCost(fixed=100.0, per_row=10.0, act_per_row=5.0)
     assert cost.largest_chunk(100 + 10 * 30, 1000) == 30
     assert cost.largest_chunk(100 + 10 * 30, 20) == 20

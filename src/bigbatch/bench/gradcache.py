@@ -94,7 +94,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--public-chunk", type=int, default=128, help="chunk size of the public GradCache")
     p.add_argument("--q-len", type=int, default=32)
     p.add_argument("--p-len", type=int, default=128)
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="tiny BERT (CPU dry run)")
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--skip", nargs="*", default=[], choices=["full", "public", "bigbatch", "offload"])
@@ -233,6 +233,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             row["ideal_ms"] = row["full"]["median_ms"] + fwd["q"] * rerun[0] + fwd["p"] * rerun[1]
             row["ideal_over_full"] = row["ideal_ms"] / row["full"]["median_ms"]
         row["bigbatch"]["chunk_sizes"] = list(bb.last_chunk_sizes)
+        row["bigbatch"]["chunk_rows"] = [list(r) for r in bb.last_chunk_rows]
         row["bigbatch"]["kept_rows"] = list(bb.last_kept_rows)
         row["bigbatch"]["kept_chunks"] = bb.last_kept
         if row["full"].get("status") == "ok" and row["bigbatch"].get("status") == "ok":

@@ -76,26 +76,15 @@ class ChunkCost:
         return self.act_per_row * rows
 
     def largest_chunk(self, budget: int, cap: int) -> int:
-        """Rows per chunk for a batch of ``cap`` rows: the largest count whose peak fits ``budget``
-        (so peak memory does not grow with B), evened out by :func:`even_out` when the short chunk
-        would be tiny; ``ValueError`` if not even one row fits."""
+        """The largest row count (at most ``cap``, the batch) whose peak fits ``budget``, so that
+        peak memory does not grow with B; ``ValueError`` if not even one row fits."""
         room = budget - self.fixed
         if room < self.per_row:
             raise ValueError(
                 f"memory_budget of {budget / 2**30:.3g} GiB is too small for even one example "
                 f"(about {self.peak(1) / 2**30:.3g} GiB for forward + backward of one row)"
             )
-        return even_out(max(1, min(cap, int(room // max(self.per_row, 1.0)))), cap)
-
-
-def even_out(fit: int, b: int) -> int:
-    """Chunk size for ``b`` rows given the largest that fits, ``fit``. Chunks are ``fit`` rows plus
-    one short chunk; if that short chunk would have fewer than ``fit / 2`` rows, the same number
-    of chunks is used with equal sizes ``ceil(b / n)`` instead (each chunk costs a fixed launch
-    and synchronisation overhead, so a tiny chunk is nearly as slow as a full one)."""
-    n = -(-b // fit)
-    tail = b - (n - 1) * fit
-    return fit if n == 1 or 2 * tail >= fit else -(-b // n)
+        return max(1, min(cap, int(room // max(self.per_row, 1.0))))
 
 
 def planning_budget(budget: int, fraction: float, cached: float) -> int:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .budget import ChunkProber, MemoryArg, parse_memory, planning_budget
-from .chunking import batch_size, model_device, pin, split_batch
+from .chunking import batch_size, model_device, pin, planned_rows, split_batch, split_rows
 from .engine import EngineOptions, Unit, backprop, encode, finalize_plan
 from .wrappers import DDP_SYNC_MODES, check_not_fsdp, is_ddp
 
@@ -142,6 +142,7 @@ class GradCache:
         self.keep_last_graph = keep_last_graph
         self._prober = ChunkProber()
         self.last_chunk_sizes: List[int] = []  # what the last step used, per input (for logs/benchmarks)
+        self.last_chunk_rows: List[List[int]] = []  # per input: the rows of each chunk of the last step
         self.last_kept: int = 0  # how many chunks kept their pass-1 graph in the last step
         self.last_kept_rows: List[int] = []  # per input: rows whose pass-1 graph was kept (not re-run)
 
@@ -200,7 +201,12 @@ class GradCache:
             held += cost.held(u.rows)
 
     def _split(self, x: Any, chunk: int) -> List[Any]:
-        chunks = self.split_input_fn(x, chunk) if self.split_input_fn is not None else split_batch(x, chunk, short_first=True)
+        if self.split_input_fn is not None:
+            chunks = self.split_input_fn(x, chunk)
+        elif self.chunk_sizes is None:  # sized from the budget: the largest chunk last (it may be kept)
+            chunks = split_rows(x, planned_rows(batch_size(x), chunk))
+        else:
+            chunks = split_batch(x, chunk, short_first=True)
         if not chunks:
             raise ValueError("split_input_fn returned no chunks")
         return list(chunks)
@@ -222,6 +228,7 @@ class GradCache:
         self._plan_keep(units, costs, usable)
         finalize_plan(units, ddp_sync)
         self.last_chunk_sizes, self.last_kept = sizes, sum(u.keep for u in units)
+        self.last_chunk_rows = [[u.rows for u in units if u.input_index == i] for i in range(len(inputs))]
         self.last_kept_rows = [sum(u.rows for u in units if u.keep and u.input_index == i) for i in range(len(inputs))]
         opts = EngineOptions(self.get_rep_fn, self.autocast_dtype, self.offload_inputs, self.offload_reps, ddp_sync)
         try:

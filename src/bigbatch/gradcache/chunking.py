@@ -64,8 +64,31 @@ def split_batch(x: Any, chunk_size: int, *, short_first: bool = False) -> List[A
     b = batch_size(x)
     n = -(-b // chunk_size)
     tail = b - (n - 1) * chunk_size
-    starts = [0] + [tail + i * chunk_size for i in range(n - 1)] if short_first else [i * chunk_size for i in range(n)]
-    bounds = [(s, min(s + (tail if (short_first and i == 0) else chunk_size), b)) for i, s in enumerate(starts)]
+    rows = [chunk_size] * (n - 1)
+    return split_rows(x, [tail] + rows if short_first else rows + [tail])
+
+
+def planned_rows(b: int, fit: int) -> List[int]:
+    """Chunk rows for ``b`` rows when at most ``fit`` fit the memory budget: the last chunk has
+    ``fit`` rows (it is the one whose pass-1 graph GradCache can keep, so the larger the better)
+    and the rows before it are split into as few chunks as fit, of equal size (+-1): no tiny
+    chunk, which would cost a whole chunk's launch overhead for a few rows."""
+    if b <= fit:
+        return [b]
+    rest = b - fit
+    n = -(-rest // fit)
+    return [rest // n + (1 if i >= n - rest % n else 0) for i in range(n)] + [fit]
+
+
+def split_rows(x: Any, rows: Sequence[int]) -> List[Any]:
+    """``x`` cut into consecutive chunks of ``rows[i]`` rows (views; ``sum(rows)`` must be B)."""
+    b = batch_size(x)
+    if sum(rows) != b or any(r < 1 for r in rows):
+        raise ValueError(f"chunk rows {list(rows)} do not split a batch of {b} rows")
+    bounds, start = [], 0
+    for r in rows:
+        bounds.append((start, start + r))
+        start += r
 
     def cut(v: Any, i: int) -> Any:
         if isinstance(v, Tensor):
@@ -76,7 +99,7 @@ def split_batch(x: Any, chunk_size: int, *, short_first: bool = False) -> List[A
             return _rebuild(v, [cut(w, i) for w in v])
         return v
 
-    return [cut(x, i) for i in range(n)]
+    return [cut(x, i) for i in range(len(rows))]
 
 
 def map_tensors(x: Any, fn: Callable[[Tensor], Tensor]) -> Any:
