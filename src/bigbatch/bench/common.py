@@ -71,28 +71,8 @@ def wall_time_ms(fn: Callable[[], Any], *, warmup: int = 1, repeat: int = 3) -> 
     return times
 
 
-def warm_up_gpu(seconds: float = 3.0, n: int = 8192) -> None:
-    """Keep the GPU busy with bf16 matmuls for ``seconds`` so that clocks have ramped up before
-    anything is timed (an idle H200 sits at a few hundred MHz; the first cases of a cold run
-    measured up to 25% slow)."""
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        for _ in range(20):
-            a @ a
-        torch.cuda.synchronize()
-    del a
-
-
-_WARMED = [False]
-
-
 def matmul_tflops(dtype: torch.dtype = torch.bfloat16, n: int = 8192, repeat: int = 10) -> float:
-    """Measured dense matmul rate (TFLOP/s) of an n x n x n product on random data (after a
-    one-time GPU warm-up, :func:`warm_up_gpu`, so every benchmark times a warm GPU)."""
-    if not _WARMED[0]:
-        warm_up_gpu()
-        _WARMED[0] = True
+    """Measured dense matmul rate (TFLOP/s) of an n x n x n product on random data."""
     a = torch.randn(n, n, device="cuda", dtype=dtype)
     b = torch.randn(n, n, device="cuda", dtype=dtype)
     ms = statistics.median(cuda_time_ms(lambda: a @ b, warmup=3, repeat=repeat))
