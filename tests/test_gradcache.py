@@ -520,3 +520,27 @@ def test_budget_leaves_room_for_the_cached_representations():
         GradCache(models, loss_fn=clip(), memory_budget="1MiB")(make_input("tensor", 5000, 1), make_input("tensor", 5000, 2))
     off = GradCache(models, loss_fn=clip(), memory_budget="1MiB", offload_reps=True)
     off(make_input("tensor", 5000, 1), make_input("tensor", 5000, 2))  # reps on the CPU: fits
+
+
+def test_cached_encode_sized_from_a_budget():
+    """cached_encode with memory_budget: the batch is chunked (largest chunk last) and the
+    gradient is the full batch's (no dropout, so any chunking must give the same gradient)."""
+    models = make_models(2, p=0.0)
+    params = params_of(models)
+    x, y = make_input("tensor", 40, 1), make_input("tensor", 40, 2)
+    zero(params)
+    clip()(models[0](x), models[1](y)).backward()
+    ref = grads(params)
+    calls = []
+    hook = models[1].register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
+    zero(params)
+    a = cached_encode(models[0], x, memory_budget="24KiB")
+    b = cached_encode(models[1], y, memory_budget="24KiB")
+    clip()(a, b).backward()
+    hook.remove()
+    check_grads(params, ref, TOL, "cached_encode with a budget")
+    calls = calls[2:]  # after the two probe chunks (16 and 40 rows): pass 1, then the re-runs
+    n = next(i for i in range(1, len(calls) + 1) if sum(calls[:i]) == 40)
+    rows, reruns = calls[:n], calls[n:]
+    assert len(rows) > 1 and rows[-1] == max(rows) and max(rows) - min(rows[:-1]) <= rows[-1], calls
+    assert reruns == rows, calls  # keep_last_graph is off by default in cached_encode: all re-run
