@@ -27,9 +27,8 @@ import warnings
 
 import torch
 
-import bigbatch
 from bigbatch.bench.common import hardware
-from bigbatch.bench.gradcache import _bert, _inputs, _rep
+from bigbatch.bench.gradcache import DualEncoder, _inputs, _rep
 from bigbatch.gradcache import GradCache
 from bigbatch.gradcache.chunking import split_batch
 
@@ -106,16 +105,8 @@ def main():
                    help="only the CUDA-graph bound and its eager baselines (no masks, passages)")
     args = p.parse_args()
     dev = torch.device("cuda")
-    torch.manual_seed(0)
-    mq, cfg = _bert(False, dev)
-    mp, _ = _bert(False, dev)
-    scale = torch.nn.Parameter(torch.tensor(2.0, device=dev))
-    params = list(mq.parameters()) + list(mp.parameters()) + [scale]
-    for t in params:
-        t.grad = torch.zeros_like(t)
-
-    def loss_fn(q, k):
-        return bigbatch.clip_loss(q.float(), k.float(), scale.exp(), backend="torch")
+    setup = DualEncoder(dev)
+    mq, mp, cfg, loss_fn = setup.mq, setup.mp, setup.cfg, setup.loss_fn
 
     amp = dict(device_type="cuda", dtype=torch.bfloat16)
     res = {"hardware": hardware(), "rows": [], "errors": {}}

@@ -109,6 +109,15 @@ def reference(models, inputs, chunk, loss_fn, seed, autocast=None, **loss_kwargs
     return loss.detach()
 
 
+def full_batch_grads(models, params, x, y):
+    """Gradients of one plain forward over the whole batch (models without dropout)."""
+    zero(params)
+    clip()(models[0](x), models[1](y)).backward()
+    out = grads(params)
+    zero(params)
+    return out
+
+
 def clip(scale=5.0):
     return lambda a, b: bigbatch.clip_loss(a, b, scale)
 
@@ -150,10 +159,7 @@ def test_no_dropout_equals_one_full_forward(keep):
     models = make_models(2, p=0.0)
     params = params_of(models)
     x, y = make_input("tensor", 10, 3), make_input("tensor", 10, 4)
-    zero(params)
-    clip()(models[0](x), models[1](y)).backward()
-    ref = grads(params)
-    zero(params)
+    ref = full_batch_grads(models, params, x, y)
     gc = GradCache(models, chunk_sizes=[3, 4], loss_fn=clip(), keep_last_graph=keep)
     gc(x, y)
     assert gc.last_kept == (1 if keep else 0)
@@ -528,12 +534,9 @@ def test_cached_encode_sized_from_a_budget():
     models = make_models(2, p=0.0)
     params = params_of(models)
     x, y = make_input("tensor", 40, 1), make_input("tensor", 40, 2)
-    zero(params)
-    clip()(models[0](x), models[1](y)).backward()
-    ref = grads(params)
+    ref = full_batch_grads(models, params, x, y)
     calls = []
     hook = models[1].register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
-    zero(params)
     a = cached_encode(models[0], x, memory_budget="24KiB")
     b = cached_encode(models[1], y, memory_budget="24KiB")
     clip()(a, b).backward()

@@ -58,6 +58,27 @@ def _bert(tiny: bool, device: torch.device):
     return BertModel(cfg).to(device).train(), cfg
 
 
+class DualEncoder:
+    """The benchmark's setting: query and passage BERT encoders (seed 0), a learned logit scale,
+    every parameter's ``.grad`` pre-allocated (each method starts from the same live memory), and
+    ``loss_fn`` = ``bigbatch.clip_loss`` on fp32 copies of the representations."""
+
+    def __init__(self, device: torch.device, tiny: bool = False) -> None:
+        import bigbatch
+
+        torch.manual_seed(0)
+        self.mq, self.cfg = _bert(tiny, device)
+        self.mp, _ = _bert(tiny, device)
+        self.logit_scale = torch.nn.Parameter(torch.tensor(2.0, device=device))
+        self.params = list(self.mq.parameters()) + list(self.mp.parameters()) + [self.logit_scale]
+        for t in self.params:
+            t.grad = torch.zeros_like(t)
+        self._clip = bigbatch.clip_loss
+
+    def loss_fn(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return self._clip(q.float(), k.float(), self.logit_scale.exp(), backend="torch")
+
+
 def _inputs(b: int, seq: int, vocab: int, device: torch.device, seed: int) -> Dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1000, vocab, (b, seq), generator=g)
@@ -110,16 +131,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda" if cuda else "cpu")
-    torch.manual_seed(0)
-    mq, cfg = _bert(args.tiny, device)
-    mp, _ = _bert(args.tiny, device)
-    logit_scale = torch.nn.Parameter(torch.tensor(2.0, device=device))
-    params = list(mq.parameters()) + list(mp.parameters()) + [logit_scale]
-    for t in params:  # pre-allocated gradients: every method starts from the same live memory
-        t.grad = torch.zeros_like(t)
-
-    def loss_fn(q, k):
-        return bigbatch.clip_loss(q.float(), k.float(), logit_scale.exp(), backend="torch")
+    setup = DualEncoder(device, args.tiny)
+    mq, mp, cfg, params, loss_fn = setup.mq, setup.mp, setup.cfg, setup.params, setup.loss_fn
 
     amp = dict(device_type=device.type, dtype=torch.bfloat16)
     result: Dict[str, Any] = {
