@@ -91,6 +91,10 @@ class GradCache:
 
     Calling ``gc(*inputs, **loss_kwargs)`` runs one cached step: it accumulates into ``.grad`` of every
     parameter (encoders and loss) and returns the detached, unscaled loss.
+
+    After a step, per input: ``last_chunk_sizes`` (the chunk size used; with a budget, the largest
+    that fits), ``last_chunk_rows`` (the rows of every chunk: with a budget the largest chunk comes
+    last, the rest are split evenly) and ``last_kept_rows`` (rows whose pass-1 graph was kept).
     """
 
     def __init__(
