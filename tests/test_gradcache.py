@@ -547,3 +547,45 @@ def test_cached_encode_sized_from_a_budget():
     rows, reruns = calls[:n], calls[n:]
     assert len(rows) > 1 and rows[-1] == max(rows) and max(rows) - min(rows[:-1]) <= rows[-1], calls
     assert reruns == rows, calls  # keep_last_graph is off by default in cached_encode: all re-run
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_frozen_tower(keep):
+    """A locked encoder (no parameter requires grad, as in LiT) is encoded once without a graph
+    and never re-run; the trainable tower and the loss get the full-batch gradients."""
+    models = make_models(2)
+    for p in models[0].parameters():
+        p.requires_grad_(False)
+    params = params_of(models)
+    x, y = make_input("dict", 11, 1), make_input("dict", 11, 2)
+    zero(params)
+    ref_loss = reference(models, [x, y], 4, clip(), seed=7)
+    ref = grads(params)
+    zero(params)
+    torch.manual_seed(7)
+    calls = []
+    hook = models[0].register_forward_hook(lambda m, i, o: calls.append(o.shape[0]))
+    gc = GradCache(models, chunk_sizes=4, loss_fn=clip(), keep_last_graph=keep)
+    loss = gc(x, y)
+    hook.remove()
+    assert abs(loss.item() - ref_loss.item()) <= TOL * abs(ref_loss.item())
+    check_grads(params, ref, TOL, "frozen tower")
+    assert calls == [3, 4, 4] and gc.last_kept_rows[0] == 0  # one pass, nothing kept for the frozen tower
+    assert gc.last_kept_rows[1] == (4 if keep else 0)
+    after = torch.rand(3)
+    reference(models, [x, y], 4, clip(), seed=7)
+    assert torch.equal(after, torch.rand(3))
+    # sized from a budget: the frozen tower's chunks come from its no-grad forward
+    zero(params)
+    torch.manual_seed(7)
+    sized = GradCache(models, memory_budget="24KiB", loss_fn=clip())
+    sized(x, y)
+    got = grads(params)
+    zero(params)
+    reference(models, [x, y], sized.last_chunk_rows, clip(), seed=7)
+    for i, (g, r) in enumerate(zip(got, grads(params))):
+        assert_rel(g, r, TOL, f"budget, frozen tower, grad {i}")
+    for p in models[1].parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="no grad_fn"):
+        GradCache(models, chunk_sizes=4, loss_fn=clip())(x, y)

@@ -121,19 +121,28 @@ def _rep_bytes(rep: Tensor) -> float:
 
 
 def _measure(model, x, get_rep, autocast_ctx, params, device) -> Tuple[float, float, float]:
-    """(peak, act, representation) bytes of one forward + backward of chunk ``x``."""
+    """(peak, act, representation) bytes of one forward + backward of chunk ``x``; for a frozen
+    model (``params`` empty) of its forward alone, without a graph (nothing is held: ``act`` = 0)."""
+    train = bool(params)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        with autocast_ctx():
+        with autocast_ctx(), torch.set_grad_enabled(train):
             rep = get_rep(call_model(model, x))
-        act = torch.cuda.memory_allocated(device) - base
+        act = torch.cuda.memory_allocated(device) - base if train else 0
         rep_bytes = _rep_bytes(rep)
-        torch.autograd.grad(rep, params, grad_outputs=torch.ones_like(rep), allow_unused=True)
+        if train:
+            torch.autograd.grad(rep, params, grad_outputs=torch.ones_like(rep), allow_unused=True)
         del rep
         torch.cuda.synchronize(device)
         return float(torch.cuda.max_memory_allocated(device) - base), float(act), rep_bytes
+    if not train:  # CPU, frozen model: twice the bytes of its output, a rough guide
+        with torch.no_grad(), autocast_ctx():
+            out = call_model(model, x)
+            rep = get_rep(out)
+        out_bytes = sum(t.numel() * t.element_size() for t in tensor_leaves(out))
+        return float(2 * out_bytes), 0.0, _rep_bytes(rep)
     saved = [0]
 
     def pack(t: Tensor) -> Tensor:
@@ -161,9 +170,7 @@ class ChunkProber:
             return self._cache[key]
         b = batch_size(x)
         c1, c2 = min(self.probe_rows[0], b), min(self.probe_rows[1], b)
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("cannot size chunks for a model with no parameter that requires grad")
+        params = [p for p in model.parameters() if p.requires_grad]  # empty: a frozen model
         device = model_device(model)
         devices = [device.index] if device.type == "cuda" and device.index is not None else []
         with torch.random.fork_rng(devices=devices), _restored_buffers(model), torch.enable_grad():

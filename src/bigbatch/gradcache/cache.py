@@ -64,7 +64,9 @@ class GradCache:
 
     Args:
         models: one ``nn.Module`` (shared by every input) or a list: one module per input, or a single
-            module shared by all inputs. Modules may be wrapped in ``DistributedDataParallel``.
+            module shared by all inputs. Modules may be wrapped in ``DistributedDataParallel``. A module
+            with no parameter that requires grad (a locked tower, as in LiT) is encoded once, without a
+            graph, and never re-run.
         chunk_sizes: rows per chunk, an int or one per input; ``None`` chooses the largest chunk whose
             forward + backward fits ``memory_budget`` (per input: short queries get larger chunks).
         loss_fn: ``loss_fn(*reps, **loss_kwargs) -> scalar``; may have parameters of its own (a learned
@@ -190,14 +192,20 @@ class GradCache:
         amp = _autocast(model_device(module), self.autocast_dtype)
         return self._prober.cost(module, x, self.get_rep_fn, amp, self.autocast_dtype)
 
-    def _plan_keep(self, units: List[Unit], costs, usable: Optional[int]) -> None:
+    def _plan_keep(self, units: List[Unit], costs, usable: Optional[int], trainable: Sequence[bool]) -> None:
+        """Flag the last chunks of pass 1 whose graphs fit ``usable`` bytes (without a budget: the
+        last chunk). A frozen model's chunks build no graph: they are never kept, nor re-run."""
         if not self.keep_last_graph:
             return
+        candidates = [u for u in units if trainable[u.input_index]]
         if usable is None:
-            units[-1].keep = True
+            if candidates:
+                candidates[-1].keep = True
             return
         held = 0.0
         for u in reversed(units):
+            if not trainable[u.input_index]:
+                continue
             cost = costs[u.input_index]
             if held + cost.peak(u.rows) > usable:
                 break
@@ -229,7 +237,10 @@ class GradCache:
         for i, (m, x, c) in enumerate(zip(models, inputs, sizes)):
             for chunk in self._split(x, c):
                 units.append(Unit(i, m, chunk, batch_size(chunk, f"a chunk of inputs[{i}]")))
-        self._plan_keep(units, costs, usable)
+        # A frozen encoder (no parameter requires grad, e.g. a locked tower as in LiT) is encoded
+        # once without a graph; its representations get no gradient and it is never re-run.
+        trainable = [any(p.requires_grad for p in m.parameters()) for m in models]
+        self._plan_keep(units, costs, usable, trainable)
         finalize_plan(units, ddp_sync)
         self.last_chunk_sizes, self.last_kept = sizes, sum(u.keep for u in units)
         self.last_chunk_rows = [[u.rows for u in units if u.input_index == i] for i in range(len(inputs))]
@@ -237,7 +248,7 @@ class GradCache:
         opts = EngineOptions(self.get_rep_fn, self.autocast_dtype, self.offload_inputs, self.offload_reps, ddp_sync)
         try:
             reps = encode(units, opts, len(inputs))
-            leaves = [r.detach().requires_grad_(True) for r in reps]
+            leaves = [r.detach().requires_grad_(t) for r, t in zip(reps, trainable)]
             device = leaves[0].device
             amp = torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast_dtype else _null()
             with torch.enable_grad(), amp:
@@ -245,7 +256,8 @@ class GradCache:
             if not isinstance(loss, Tensor) or loss.numel() != 1:
                 raise ValueError("loss_fn must return a scalar tensor")
             if not loss.requires_grad:
-                raise ValueError("loss_fn's result does not depend on the representations (no grad_fn)")
+                raise ValueError("loss_fn's result has no grad_fn: it does not depend on the representations of "
+                                 "a trainable encoder, and the loss has no parameter that requires grad")
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             backprop(units, [leaf.grad for leaf in leaves], opts)
         finally:
