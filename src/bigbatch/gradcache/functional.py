@@ -1,0 +1,143 @@
+"""The public GradCache's functional API (``cached``, ``cat_input_tensor``), made exact.
+
+For loops where the batch arrives in sub-batches (one per data-loader step) and only the
+representations are kept until the loss of the whole accumulated batch is computed::
+
+    @cached
+    def encode(model, x):
+        return model(**x).last_hidden_state[:, 0]
+
+    @cat_input_tensor
+    def loss_fn(q, p):                      # q, p: lists of per-sub-batch representations
+        return bigbatch.clip_loss(q, p, scale)
+
+    reps_q, reps_p, closures = [], [], []
+    for step, (xq, xp) in enumerate(loader):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            rq, fq = encode(query_encoder, xq)  # no graph: memory of one sub-batch at a time
+            rp, fp = encode(passage_encoder, xp)
+        reps_q.append(rq); reps_p.append(rp); closures += [(fq, rq), (fp, rp)]
+        if (step + 1) % accumulation == 0:
+            loss_fn(reps_q, reps_p).backward()  # fills rq.grad, rp.grad (and the loss's parameters)
+            for f, r in closures:
+                f(r)                            # re-run that sub-batch, back-propagate r.grad
+            optimizer.step(); optimizer.zero_grad(); reps_q, reps_p, closures = [], [], []
+
+Unlike the public package's ``grad_cache.functional``, the closure re-runs the sub-batch under the
+CPU and CUDA random states and the autocast setting captured at the first call, so dropout masks
+and precision match and the update equals the full accumulated batch's exactly; the caller's random
+stream continues as if the closure had not run. Under DDP, wrap all closures but the last in
+``model.no_sync()`` to all-reduce once.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, List, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from .chunking import tensor_leaves
+from .rng import RngState, cuda_devices_of
+
+Reps = Union[Tensor, Tuple[Tensor, ...]]
+
+
+def _autocast_state() -> List[Tuple[str, torch.dtype]]:
+    """The (device type, dtype) of every autocast context active now."""
+    active = []
+    for device_type in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device_type):
+            active.append((device_type, torch.get_autocast_dtype(device_type)))
+    return active
+
+
+def _cuda_devices(args: Sequence[Any], kwargs: dict) -> List[int]:
+    """CUDA devices whose generators the call may use: those of its tensors and modules, and every
+    initialised device (the model may be reached through a closure rather than an argument)."""
+    devices = cuda_devices_of(tensor_leaves(list(args)) + tensor_leaves(kwargs)
+                              + [p for a in args if isinstance(a, torch.nn.Module) for p in a.parameters()])
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        devices = sorted(set(devices) | set(range(torch.cuda.device_count())))
+    return devices
+
+
+def _as_tuple(reps: Any, name: str) -> Tuple[Tensor, ...]:
+    out = (reps,) if isinstance(reps, Tensor) else tuple(reps) if isinstance(reps, (tuple, list)) else None
+    if out is None or not out or not all(isinstance(t, Tensor) for t in out):
+        raise TypeError(f"{name} must return a tensor or a tuple of tensors, got {type(reps).__name__}")
+    return out
+
+
+def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Reps, Callable[[Reps], None]]]:
+    """Decorate ``func(*args, **kwargs) -> representation(s)``; the result returns
+    ``(reps, closure)`` where ``reps`` are detached leaves that require grad (computed without a
+    graph) and ``closure(reps)``, called after the loss's backward filled ``reps.grad``, re-runs
+    ``func`` under the first call's random and autocast state and back-propagates ``reps.grad``
+    into the parameters (accumulating into ``.grad``)."""
+
+    @functools.wraps(func)
+    def cache_func(*args: Any, **kwargs: Any):
+        rng = RngState(_cuda_devices(args, kwargs))
+        amp = _autocast_state()
+        with torch.no_grad():
+            out = func(*args, **kwargs)
+        first = _as_tuple(out, func.__name__)
+        leaves = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in first)
+        spent = [False]
+
+        def forward_backward(cache_reps: Reps) -> None:
+            reps_in = _as_tuple(cache_reps, "the closure's argument")
+            if spent[0]:
+                raise RuntimeError(f"the closure of {func.__name__} ran twice: its sub-batch is already back-propagated")
+            grads = [r.grad for r in reps_in]
+            if all(g is None for g in grads):
+                raise RuntimeError(
+                    f"the representations passed to the closure of {func.__name__} have no .grad: call it after "
+                    "the loss's backward, with the tensors the decorated call returned"
+                )
+            with torch.enable_grad(), rng.replay(), _autocast_contexts(amp):
+                again = _as_tuple(func(*args, **kwargs), func.__name__)
+            pairs = [(t, g) for t, g in zip(again, grads) if g is not None and t.requires_grad]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])
+            spent[0] = True
+
+        return (leaves[0] if isinstance(out, Tensor) else leaves), forward_backward
+
+    return cache_func
+
+
+class _autocast_contexts:
+    """Re-enter the captured autocast contexts (the backward runs outside them)."""
+
+    def __init__(self, active: Sequence[Tuple[str, torch.dtype]]) -> None:
+        self.contexts = [torch.autocast(device_type=d, dtype=t) for d, t in active]
+        self.disable = [torch.autocast(device_type=d, enabled=False) for d in ("cuda", "cpu")
+                        if d not in {a for a, _ in active} and torch.is_autocast_enabled(d)]
+
+    def __enter__(self) -> None:
+        for c in self.contexts + self.disable:
+            c.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool:
+        for c in reversed(self.contexts + self.disable):
+            c.__exit__(*exc)
+        return False
+
+
+def cat_input_tensor(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a loss so that every argument that is a list or tuple of tensors is concatenated
+    along dimension 0 first (the per-sub-batch representations of ``cached`` calls)."""
+
+    @functools.wraps(func)
+    def cat_f(*args: Any, **kwargs: Any) -> Any:
+        def cat(x: Any) -> Any:
+            if isinstance(x, (list, tuple)) and x and all(isinstance(t, Tensor) for t in x):
+                return torch.cat(list(x), dim=0)
+            return x
+
+        return func(*[cat(a) for a in args], **{k: cat(v) for k, v in kwargs.items()})
+
+    return cat_f

@@ -1,0 +1,157 @@
+"""bigbatch.gradcache.functional (``cached``, ``cat_input_tensor``) against full-batch gradients.
+
+The batch arrives in sub-batches; each is encoded without a graph and its closure later re-runs it
+and back-propagates the cached representation's gradient. Reference: the same sub-batches run
+*with* a graph from the same seed, one loss, one backward (the full batch with those dropout masks).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bigbatch
+from bigbatch.gradcache import cached, cat_input_tensor
+
+from test_gradcache import TOL, check_grads, grads, make_input, make_models, params_of, zero
+
+
+def clip_cat():
+    @cat_input_tensor
+    def loss(q, p, scale=5.0):
+        return bigbatch.clip_loss(q, p, scale)
+
+    return loss
+
+
+def subbatches(seed, sizes=(3, 4, 4)):
+    return [(make_input("dict", n, seed + 10 * i), make_input("tensor", n, seed + 10 * i + 1)) for i, n in enumerate(sizes)]
+
+
+def reference(models, batches, seed, amp=None):
+    torch.manual_seed(seed)
+    qs, ps = [], []
+    for x, y in batches:  # the order of the cached loop (the same random draws), one autocast context
+        # per sub-batch as there (a context shared by all sub-batches would share one bf16 weight
+        # copy, whose gradient autograd then accumulates in bf16)
+        with torch.autocast("cpu", dtype=amp) if amp else torch.autocast("cpu", enabled=False):
+            qs.append(models[0](**x))
+            ps.append(models[1](y))
+    loss = clip_cat()(qs, ps)  # outside autocast, as in cached_step
+    loss.backward()
+    return loss.detach()
+
+
+def cached_step(models, batches, seed, amp=None):
+    @cached
+    def encode(model, x):
+        return model(**x) if isinstance(x, dict) else model(x)
+
+    torch.manual_seed(seed)
+    qs, ps, closures = [], [], []
+    for x, y in batches:
+        ctx = torch.autocast("cpu", dtype=amp) if amp else torch.autocast("cpu", enabled=False)
+        with ctx:
+            rq, fq = encode(models[0], x)
+            rp, fp = encode(models[1], y)
+        qs.append(rq)
+        ps.append(rp)
+        closures += [(fq, rq), (fp, rp)]
+    loss = clip_cat()(qs, ps)
+    loss.backward()
+    for f, r in closures:  # outside any autocast: the closure restores the first call's setting
+        f(r)
+    return loss.detach()
+
+
+def test_exact_with_dropout_and_random_stream():
+    models = make_models(2)
+    params = params_of(models)
+    batches = subbatches(1)
+    zero(params)
+    ref_loss = reference(models, batches, seed=3)
+    ref = grads(params)
+    after_ref = torch.rand(4)
+    zero(params)
+    loss = cached_step(models, batches, seed=3)
+    assert torch.equal(torch.rand(4), after_ref)  # the caller's stream is where a plain pass leaves it
+    assert abs(loss.item() - ref_loss.item()) <= TOL * abs(ref_loss.item())
+    check_grads(params, ref, TOL, "functional")
+
+
+def test_autocast_state_is_replayed():
+    models = [m.float() for m in make_models(2)]
+    params = params_of(models)
+    batches = [(dict((k, v.float()) for k, v in x.items()), y.float()) for x, y in subbatches(2)]
+    zero(params)
+    reference(models, batches, seed=4, amp=torch.bfloat16)
+    ref = grads(params)
+    zero(params)
+    cached_step(models, batches, seed=4, amp=torch.bfloat16)
+    check_grads(params, ref, 1e-6, "functional under bf16 autocast")
+    # the tolerance can tell: the same step in fp32 is far off the bf16 reference, so a closure that
+    # re-ran its sub-batch without the captured bf16 setting would fail the check above
+    zero(params)
+    cached_step(models, batches, seed=4)
+    fp32 = grads(params)
+    assert max((a - b).norm() / b.norm() for a, b in zip(fp32, ref) if b.norm() > 0) > 1e-4
+
+
+def test_tuple_representations_and_argument_passthrough():
+    models = make_models(1)
+    params = params_of(models)
+    x = make_input("tensor", 6, 1)
+
+    @cached
+    def two_views(model, t, *, shift):
+        h = model(t)
+        return h, h + shift
+
+    zero(params)
+    torch.manual_seed(0)
+    (a, b), f = two_views(models[0], x, shift=1.0)
+    assert isinstance(a, torch.Tensor) and a.requires_grad and not a.grad_fn
+    bigbatch.clip_loss(a, b, 2.0).backward()
+    f((a, b))
+    got = grads(params)
+    zero(params)
+    torch.manual_seed(0)
+    h = models[0](x)
+    bigbatch.clip_loss(h, h + 1.0, 2.0).backward()
+    check_grads(params, got, TOL, "tuple reps")
+
+
+def test_misuse_is_reported():
+    models = make_models(1)
+    x = make_input("tensor", 5, 1)
+
+    @cached
+    def encode(model, t):
+        return model(t)
+
+    r, f = encode(models[0], x)
+    with pytest.raises(RuntimeError, match="after the loss's backward"):
+        f(r)
+    (r * 1.0).sum().backward()
+    f(r)
+    with pytest.raises(RuntimeError, match="ran twice"):
+        f(r)
+
+    @cached
+    def not_a_tensor(model, t):
+        return model(t).tolist()
+
+    with pytest.raises(TypeError, match="must return a tensor"):
+        not_a_tensor(models[0], x)
+
+
+def test_cat_input_tensor_only_concatenates_tensor_lists():
+    seen = {}
+
+    @cat_input_tensor
+    def f(a, b, c, *, d):
+        seen.update(a=a, b=b, c=c, d=d)
+
+    t = torch.arange(6.0).view(3, 2)
+    f([t[:1], t[1:]], 2.0, [], d=(t, t))
+    assert torch.equal(seen["a"], t) and seen["b"] == 2.0 and seen["c"] == [] and seen["d"].shape == (6, 2)
