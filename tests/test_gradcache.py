@@ -589,3 +589,18 @@ def test_frozen_tower(keep):
         p.requires_grad_(False)
     with pytest.raises(ValueError, match="no grad_fn"):
         GradCache(models, chunk_sizes=4, loss_fn=clip())(x, y)
+
+
+def test_kept_graph_leaves_room_for_later_frozen_forwards():
+    """A kept graph is alive while the chunks after it run their pass-1 forwards: with a frozen
+    encoder after it, the plan keeps it only if its activations fit beside that no-grad peak."""
+    from bigbatch.gradcache.budget import ChunkCost
+    from bigbatch.gradcache.engine import Unit
+
+    gc = GradCache(nn.Linear(2, 2), chunk_sizes=1, loss_fn=clip())
+    m = nn.Linear(2, 2)
+    costs = [ChunkCost(fixed=0.0, per_row=10.0, act_per_row=8.0), ChunkCost(fixed=0.0, per_row=5.0, act_per_row=0.0)]
+    for usable, want in ((60, [False, True, False]), (45, [False, False, False]), (100, [True, True, False])):
+        units = [Unit(0, m, None, 4), Unit(0, m, None, 4), Unit(1, m, None, 4)]
+        gc._plan_keep(units, costs, usable, [True, False])
+        assert [u.keep for u in units] == want, (usable, [u.keep for u in units])

@@ -202,12 +202,16 @@ class GradCache:
             if candidates:
                 candidates[-1].keep = True
             return
-        held = 0.0
+        # Walk back from the last chunk: a kept graph lives from its pass-1 forward to pass 2, so it
+        # must fit beside the graphs kept after it (``held``) and beside the no-grad forwards of the
+        # frozen chunks that run after it (``later``: the largest of their peaks).
+        held, later = 0.0, 0.0
         for u in reversed(units):
-            if not trainable[u.input_index]:
-                continue
             cost = costs[u.input_index]
-            if held + cost.peak(u.rows) > usable:
+            if not trainable[u.input_index]:
+                later = max(later, cost.peak(u.rows))
+                continue
+            if held + cost.peak(u.rows) > usable or held + cost.held(u.rows) + later > usable:
                 break
             u.keep = True
             held += cost.held(u.rows)
