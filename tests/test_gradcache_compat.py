@@ -56,3 +56,35 @@ def test_no_sync_except_last_is_a_step_option(flag):
     _loss(ref_model(x), ref_model(y)).backward()
     for g, r in zip(got, _grads(ref_model)):
         assert_rel(g, r, 1e-5, "grad")
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_same_gradients_as_the_public_gradcache(dropout):
+    """The public GradCache (PyPI gradcache 0.0.1, unmodified) as an oracle: same models, chunk
+    boundaries and seed give the same loss and gradients (its class API replays random state too).
+    Its splitter puts the short chunk last and it re-runs every chunk; bigbatch's splitter puts it
+    first, so the batch is a multiple of the chunk size here and both see the same chunks."""
+    from bigbatch.bench.gradcache import load_public_gradcache
+
+    public_cls, note = load_public_gradcache()
+    assert public_cls is not None, note
+    torch.manual_seed(0)
+
+    def model():
+        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(dropout), nn.LayerNorm(16), nn.Linear(16, 8)).double()
+
+    def loss_fn(q, p, scale=5.0):
+        return bigbatch.clip_loss(q, p, scale, backend="reference")
+
+    x, y = torch.randn(12, 6, dtype=torch.float64), torch.randn(12, 6, dtype=torch.float64)
+    results = []
+    for make in (lambda ms: public_cls(ms, 4, loss_fn=loss_fn), lambda ms: GradCache(ms, chunk_sizes=4, loss_fn=loss_fn)):
+        torch.manual_seed(1)
+        ms = [model(), model()]
+        torch.manual_seed(2)
+        loss = make(ms)(x, y, scale=7.0)
+        results.append((loss.detach(), [p.grad.clone() for m in ms for p in m.parameters()]))
+    (l_pub, g_pub), (l_ours, g_ours) = results
+    assert abs(l_pub.item() - l_ours.item()) <= 1e-12 * abs(l_pub.item())
+    for a, b in zip(g_ours, g_pub):
+        assert_rel(a, b, 1e-10, "grad vs the public GradCache")
