@@ -121,6 +121,17 @@ def test_tuple_representations_and_argument_passthrough():
     check_grads(params, got, TOL, "tuple reps")
 
 
+def test_cached_representations_do_not_pin_outputs():
+    model = make_models(1)[0]
+
+    @cached
+    def cls(m, t):
+        return torch.stack([m(t), m(t)], dim=1)[:, 0]  # a view into a (rows, 2, D) output
+
+    r, _ = cls(model, make_input("tensor", 5, 1))
+    assert r.untyped_storage().nbytes() == r.numel() * r.element_size() and r.requires_grad
+
+
 def test_misuse_is_reported():
     models = make_models(1)
     x = make_input("tensor", 5, 1)

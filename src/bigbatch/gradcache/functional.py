@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from .chunking import tensor_leaves
+from .engine import compact
 from .rng import RngState, cuda_devices_of
 
 Reps = Union[Tensor, Tuple[Tensor, ...]]
@@ -84,7 +85,8 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Reps, Callable[[Rep
         with torch.no_grad():
             out = func(*args, **kwargs)
         first = _as_tuple(out, func.__name__)
-        leaves = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in first)
+        # compact: a view such as out[:, 0] would keep the sub-batch's whole output alive
+        leaves = tuple(compact(t).requires_grad_(t.is_floating_point()) for t in first)
         spent = [False]
 
         def forward_backward(cache_reps: Reps) -> None:
