@@ -99,7 +99,7 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Reps, Callable[[Rep
                     f"the representations passed to the closure of {func.__name__} have no .grad: call it after "
                     "the loss's backward, with the tensors the decorated call returned"
                 )
-            with torch.enable_grad(), rng.replay(), _autocast_contexts(amp):
+            with torch.enable_grad(), rng.replay(), _AutocastReplay(amp):
                 again = _as_tuple(func(*args, **kwargs), func.__name__)
             pairs = [(t, g) for t, g in zip(again, grads) if g is not None and t.requires_grad]
             if pairs:
@@ -111,7 +111,7 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Reps, Callable[[Rep
     return cache_func
 
 
-class _autocast_contexts:
+class _AutocastReplay:
     """Re-enter the captured autocast contexts (the backward runs outside them)."""
 
     def __init__(self, active: Sequence[Tuple[str, torch.dtype]]) -> None:
