@@ -42,8 +42,8 @@ def reference(models, batches, seed, amp=None):
     return loss.detach()
 
 
-def cached_step(models, batches, seed, amp=None):
-    @cached
+def cached_step(models, batches, seed, amp=None, decorator=cached):
+    @decorator
     def encode(model, x):
         return model(**x) if isinstance(x, dict) else model(x)
 
@@ -109,7 +109,7 @@ def test_tuple_representations_and_argument_passthrough():
 
     zero(params)
     torch.manual_seed(0)
-    (a, b), f = two_views(models[0], x, shift=1.0)
+    a, b, f = two_views(models[0], x, shift=1.0)  # the public package's order: reps, then the closure
     assert isinstance(a, torch.Tensor) and a.requires_grad and not a.grad_fn
     bigbatch.clip_loss(a, b, 2.0).backward()
     f((a, b))
@@ -166,3 +166,19 @@ def test_cat_input_tensor_only_concatenates_tensor_lists():
     t = torch.arange(6.0).view(3, 2)
     f([t[:1], t[1:]], 2.0, [], d=(t, t))
     assert torch.equal(seen["a"], t) and seen["b"] == 2.0 and seen["c"] == [] and seen["d"].shape == (6, 2)
+
+
+def test_drop_in_for_the_public_functional_api():
+    """On the CPU without AMP the public package's ``cached`` (PyPI gradcache 0.0.1) replays the
+    same state, so both give the same gradients with dropout: the calls are interchangeable."""
+    from gradcache.functional import cached as public_cached
+
+    models = make_models(2)
+    params = params_of(models)
+    batches = subbatches(5)
+    zero(params)
+    cached_step(models, batches, seed=6, decorator=public_cached)
+    ref = grads(params)
+    zero(params)
+    cached_step(models, batches, seed=6)
+    check_grads(params, ref, TOL, "vs the public functional API")

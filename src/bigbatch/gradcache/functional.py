@@ -23,10 +23,11 @@ representations are kept until the loss of the whole accumulated batch is comput
                 f(r)                            # re-run that sub-batch, back-propagate r.grad
             optimizer.step(); optimizer.zero_grad(); reps_q, reps_p, closures = [], [], []
 
-Unlike the public package's ``grad_cache.functional``, the closure re-runs the sub-batch under the
-CPU and CUDA random states and the autocast setting captured at the first call, so dropout masks
-and precision match and the update equals the full accumulated batch's exactly; the caller's random
-stream continues as if the closure had not run. Under DDP, wrap all closures but the last in
+Unlike the public package's ``grad_cache.functional`` (which restores the CPU random state only),
+the closure re-runs the sub-batch under the CPU and CUDA random states and the autocast setting
+captured at the first call, so dropout masks and precision match on a GPU and under AMP and the
+update equals the full accumulated batch's exactly; the caller's random stream continues as if the
+closure had not run. Call signatures are the public package's. Under DDP, wrap all closures but the last in
 ``model.no_sync()`` to all-reduce once.
 """
 
@@ -71,11 +72,12 @@ def _as_tuple(reps: Any, name: str) -> Tuple[Tensor, ...]:
     return out
 
 
-def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Reps, Callable[[Reps], None]]]:
+def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
     """Decorate ``func(*args, **kwargs) -> representation(s)``; the result returns
-    ``(reps, closure)`` where ``reps`` are detached leaves that require grad (computed without a
-    graph) and ``closure(reps)``, called after the loss's backward filled ``reps.grad``, re-runs
-    ``func`` under the first call's random and autocast state and back-propagates ``reps.grad``
+    ``(rep_1, ..., rep_n, closure)`` as the public package does (``rep, closure`` for one): the reps
+    are detached leaves that require grad (computed without a graph) and ``closure(reps)`` (a
+    tensor or the tuple of them), called after the loss's backward filled their ``.grad``, re-runs
+    ``func`` under the first call's random and autocast state and back-propagates those gradients
     into the parameters (accumulating into ``.grad``)."""
 
     @functools.wraps(func)
@@ -106,7 +108,7 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Reps, Callable[[Rep
                 torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])
             spent[0] = True
 
-        return (leaves[0] if isinstance(out, Tensor) else leaves), forward_backward
+        return (*leaves, forward_backward)  # as the public package: rep(s) first, the closure last
 
     return cache_func
 
