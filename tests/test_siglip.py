@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import bigbatch
@@ -15,7 +15,7 @@ from bigbatch import reference
 from bigbatch.backends import TorchTiles
 from bigbatch.backends.torch_sigmoid import TorchSigmoid
 
-from helpers import assert_rel, features, rel_err
+from helpers import assert_close, assert_rel, features, rel_err
 
 BACKENDS = ["reference", "torch", TorchSigmoid(tile_rows=7, tile_cols=5)]
 
@@ -92,6 +92,7 @@ def test_float64_loss_and_all_gradients(backend, with_labels):
     dtype=st.sampled_from([torch.float32, torch.float64]),
     seed=st.integers(0, 2**16),
 )
+@example(b=1, d=14, tile_rows=1, tile_cols=1, n_classes=None, scale=26.0, bias=0.0, dtype=torch.float32, seed=0)
 def test_property_torch_tiles_match_float64(b, d, tile_rows, tile_cols, n_classes, scale, bias, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, d, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
@@ -105,7 +106,12 @@ def test_property_torch_tiles_match_float64(b, d, tile_rows, tile_cols, n_classe
     k64 = k.detach().double().requires_grad_()
     ref, ref_g = _loss_and_grads(reference.siglip_loss, q64, k64, log_scale, bias_t, labels=labels)
     tol = 1e-11 if dtype == torch.float64 else 2e-5
-    assert_rel(out, ref, tol, "loss")
+    # fp32 logits carry an absolute error of ~eps32 * scale * sum_d |q_d k_d| each; where the loss is
+    # tiny (large positive logits: softplus(-x) ~ exp(-x)) that error is all of its relative error,
+    # so the bound gets that floor: the loss is a 1/B-weighted sum of terms with slope <= 1 in x.
+    eps = 2.0**-52 if dtype == torch.float64 else 2.0**-24
+    floor = 8 * eps * scale * (q.detach().double().abs() @ k.detach().double().abs().T).sum().item() / b
+    assert_close(out, ref, tol, floor, "loss")
     for name, a, r in zip(("d image", "d text", "d log_scale", "d bias"), out_g, ref_g):
         assert a.dtype == (dtype if name.startswith("d i") or name.startswith("d t") else torch.float64)
         # Gradients of features are returned in the features' dtype; compare with an absolute floor.
