@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .budget import ChunkProber, MemoryArg, parse_memory, planning_budget
-from .chunking import batch_size, model_device, pin, planned_rows, split_batch, split_rows
+from .chunking import batch_size, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, backprop, encode, finalize_plan
 from .wrappers import DDP_SYNC_MODES, check_not_fsdp, is_ddp
 
@@ -216,17 +216,6 @@ class GradCache:
             u.keep = True
             held += cost.held(u.rows)
 
-    def _split(self, x: Any, chunk: int) -> List[Any]:
-        if self.split_input_fn is not None:
-            chunks = self.split_input_fn(x, chunk)
-        elif self.chunk_sizes is None:  # sized from the budget: the largest chunk last (it may be kept)
-            chunks = split_rows(x, planned_rows(batch_size(x), chunk))
-        else:
-            chunks = split_batch(x, chunk, short_first=True)
-        if not chunks:
-            raise ValueError("split_input_fn returned no chunks")
-        return list(chunks)
-
     # -- the step -------------------------------------------------------------------------
     def cache_step(self, *inputs: Any, no_sync_except_last: Optional[bool] = None, **loss_kwargs: Any) -> Tensor:
         """Run one cached step; see the class docstring."""
@@ -239,7 +228,7 @@ class GradCache:
         sizes, costs, usable = self._sizes(models, inputs)
         units: List[Unit] = []
         for i, (m, x, c) in enumerate(zip(models, inputs, sizes)):
-            for chunk in self._split(x, c):
+            for chunk in split_chunks(x, c, split_input_fn=self.split_input_fn, from_budget=self.chunk_sizes is None):
                 units.append(Unit(i, m, chunk, batch_size(chunk, f"a chunk of inputs[{i}]")))
         # A frozen encoder (no parameter requires grad, e.g. a locked tower as in LiT) is encoded
         # once without a graph; its representations get no gradient and it is never re-run.

@@ -80,6 +80,21 @@ def planned_rows(b: int, fit: int) -> List[int]:
     return [rest // n + (1 if i >= n - rest % n else 0) for i in range(n)] + [fit]
 
 
+def split_chunks(x: Any, chunk: int, *, split_input_fn: Optional[Callable[[Any, int], List[Any]]] = None,
+                 from_budget: bool = False) -> List[Any]:
+    """The chunks of one input: ``split_input_fn(x, chunk)`` when given; for a budget-sized
+    ``chunk`` (the largest that fits) :func:`planned_rows` (largest chunk last, the rest even);
+    for a chosen chunk size, chunks of that size with the short one first."""
+    if split_input_fn is not None:
+        chunks = list(split_input_fn(x, chunk))
+        if not chunks:
+            raise ValueError("split_input_fn returned no chunks")
+        return chunks
+    if from_budget:
+        return split_rows(x, planned_rows(batch_size(x), chunk))
+    return split_batch(x, chunk, short_first=True)
+
+
 def split_rows(x: Any, rows: Sequence[int]) -> List[Any]:
     """``x`` cut into consecutive chunks of ``rows[i]`` rows (views; ``sum(rows)`` must be B)."""
     b = batch_size(x)

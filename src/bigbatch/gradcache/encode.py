@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from .budget import ChunkProber, MemoryArg, parse_memory, planning_budget
 from .cache import _BUDGET_FRACTION, _identity, check_options, default_budget
-from .chunking import batch_size, model_device, pin, planned_rows, split_batch, split_rows
+from .chunking import batch_size, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, _autocast, backprop, encode, finalize_plan
 from .wrappers import check_not_fsdp, is_ddp
 
@@ -98,12 +98,7 @@ def cached_encode(
         cost = _PROBER.cost(module, inputs, get_rep, _autocast(device, autocast_dtype), autocast_dtype)
         cached = 0.0 if offload_reps else cost.cached(b)
         chunk_size = cost.largest_chunk(planning_budget(budget, _BUDGET_FRACTION, cached), b)
-    if split_input_fn is not None:
-        chunks = split_input_fn(inputs, chunk_size)
-    elif sized_from_budget:  # the largest chunk last: its graph is the one kept
-        chunks = split_rows(inputs, planned_rows(b, chunk_size))
-    else:
-        chunks = split_batch(inputs, chunk_size, short_first=True)
+    chunks = split_chunks(inputs, chunk_size, split_input_fn=split_input_fn, from_budget=sized_from_budget)
     units = [Unit(0, model, c, batch_size(c, "a chunk of inputs")) for c in chunks]
     opts = EngineOptions(get_rep, autocast_dtype, offload_inputs, offload_reps, ddp_sync)
     needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
