@@ -7,7 +7,7 @@ graph that is kept, so pass 2 only back-propagates them: it saves their second f
 Pass 2 (``backprop``): kept chunks are back-propagated first (freeing their graphs), then, model
 by model (in order of first use), every other chunk is re-run under its replayed random state and autocast setting and
 back-propagated with its slice of the cached representation gradient. Parameter gradients
-accumulate in ``.grad``; the sum over chunks is exactly the full-batch gradient because the loss
+accumulate in ``.grad`` (in a few fused launches per chunk: ``accumulate.py``); the sum over chunks is exactly the full-batch gradient because the loss
 gradient w.r.t. each representation row was computed on the whole batch.
 
 DDP (``ddp_sync="last_chunk"``): every forward that builds a graph runs under ``no_sync``
@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from .accumulate import fused_grad_accumulation
 from .chunking import call_model, model_device, staged, tensor_leaves
 from .rng import RngState, cuda_devices_of
 from .wrappers import is_ddp, sync_context
@@ -155,7 +156,7 @@ def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: Eng
             continue
         rep, u.kept_rep = u.kept_rep, None
         if k in slices:
-            with sync_context(u.model, sync=False)():
+            with sync_context(u.model, sync=False)(), fused_grad_accumulation(u.model):
                 torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype))
         del rep
     order: Dict[int, List[int]] = {}
@@ -176,6 +177,6 @@ def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: Eng
                 with sync_context(u.model, sync=sync)():
                     with torch.enable_grad(), u.rng.replay():
                         rep = _rep(opts, u.model, chunk, u.rows)
-                    with no_amp():
+                    with no_amp(), fused_grad_accumulation(u.model):
                         torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype))
                 del rep

@@ -1,0 +1,99 @@
+"""A/B: per-chunk gradient accumulation fused (``torch._foreach_add_``) vs autograd's one add per
+parameter, in a ``bigbatch.GradCache`` step (one GPU).
+
+The setting of ``bigbatch.bench.gradcache`` (two BERT-base encoders, bf16 autocast, queries 32
+tokens, passages 128, 16 GiB budget, ``.grad`` pre-allocated). Per batch size: the full-batch
+step and the cached step with the fused path on and off, interleaved over several rounds
+(CUDA-event medians); then, per variant, one profiled call: GPU busy time (union of kernel
+intervals), idle time inside the step, kernel count and the host's issue time.
+
+    python experiments/gradcache_fused_ab.py --out results/gradcache_fused_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from bigbatch.bench.common import hardware, matmul_tflops
+from bigbatch.bench.gradcache import DualEncoder, _inputs, _rep
+from bigbatch.gradcache import GradCache, accumulate
+
+from gradcache_idle_probe import busy
+
+
+def once_ms(fn) -> float:
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1024, 2048])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--budget", default="16GiB")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    setup = DualEncoder(device)
+    mq, mp, loss_fn = setup.mq, setup.mp, setup.loss_fn
+    amp = dict(device_type="cuda", dtype=torch.bfloat16)
+    gc = GradCache([mq, mp], memory_budget=args.budget, loss_fn=loss_fn, get_rep_fn=_rep, autocast_dtype=torch.bfloat16)
+    out = {"experiment": "gradcache_fused_ab", "hardware": hardware(), "args": vars(args),
+           "bf16_matmul_tflops": matmul_tflops(), "rows": []}
+
+    for b in args.batches:
+        qi, pi = _inputs(b, 32, setup.cfg.vocab_size, device, 10 + b), _inputs(b, 128, setup.cfg.vocab_size, device, 20 + b)
+
+        def full():
+            with torch.autocast(**amp):
+                l = loss_fn(_rep(mq(**qi)), _rep(mp(**pi)))
+            l.backward()
+
+        def cached(on: bool):
+            def step():
+                accumulate.ENABLED = on
+                try:
+                    gc(qi, pi)
+                finally:
+                    accumulate.ENABLED = True
+            return step
+
+        variants = {"full": full, "fused": cached(True), "plain": cached(False)}
+        times = {k: [] for k in variants}
+        for fn in variants.values():  # warm-up (and the chunk-size probe)
+            fn()
+        for r in range(args.rounds):
+            for name, fn in variants.items():
+                for _ in range(args.repeat):
+                    times[name].append(once_ms(fn))
+            print(f"B={b} round {r}: " + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in times.items()), flush=True)
+        row = {"batch": b, "chunk_rows": [list(x) for x in gc.last_chunk_rows], "kept_rows": list(gc.last_kept_rows)}
+        for name, fn in variants.items():
+            row[name] = {"median_ms": statistics.median(times[name]), "times_ms": times[name]}
+            t0 = time.perf_counter()
+            fn()
+            row[name]["issue_ms"] = (time.perf_counter() - t0) * 1e3
+            torch.cuda.synchronize()
+            prof = busy(fn)
+            row[name]["profiled"] = {k: v for k, v in prof.items() if k != "top"}
+        for name in ("fused", "plain"):
+            row[f"{name}_over_full"] = row[name]["median_ms"] / row["full"]["median_ms"]
+        print(json.dumps({k: v for k, v in row.items() if k not in variants}), flush=True)
+        out["rows"].append(row)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""A chunk's parameter gradients added into ``.grad`` in a few multi-tensor launches.
+
+In every re-run chunk's backward, autograd's ``AccumulateGrad`` adds each parameter's new
+gradient into its existing ``.grad`` with one kernel per parameter (about 200 for a BERT-base
+encoder), while a parameter whose ``.grad`` is ``None`` simply adopts the new gradient (no
+kernel). :func:`fused_grad_accumulation` uses that: it sets the model's ``.grad`` tensors aside,
+lets the chunk's backward adopt fresh gradients, then adds them back into the set-aside tensors
+with ``torch._foreach_add_`` (a handful of launches). Each element gets the same one rounding as
+``old += new``; layouts, tensor identity and views of ``.grad`` are preserved.
+
+Why it matters: a small chunk's backward is short (about 60 ms for 290 BERT rows on an H200),
+and on a host whose kernel launches are slow the GPU waits for them; ~200 fewer launches per
+chunk is host time the GPU no longer waits for.
+
+Not used (plain ``AccumulateGrad``) when something must observe each accumulation: a DDP
+module (its reducer hooks ``AccumulateGrad`` and reads ``.grad``) or a parameter with a
+post-accumulate-grad hook. Memory: the chunk's new gradients are held until its backward ends
+(the chunk-size probe measures the backward the same way, with ``torch.autograd.grad``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, List, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+ENABLED = True  # module switch, for A/B measurements (experiments/); the library leaves it on
+
+
+def _fusable(model: nn.Module, params: List[nn.Parameter]) -> bool:
+    if any(isinstance(m, DistributedDataParallel) for m in model.modules()):
+        return False
+    return not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in params)
+
+
+def _merge(params: List[nn.Parameter], old: List[Optional[Tensor]]) -> None:
+    """``p.grad = old + (what the backward accumulated since)`` for every parameter; in place in
+    ``old`` where both are dense tensors of one device and dtype (fused), else per parameter."""
+    fused_old: List[Tensor] = []
+    fused_new: List[Tensor] = []
+    for p, o in zip(params, old):
+        n = p.grad
+        if o is None:
+            continue  # the new gradient (or None) is the whole gradient
+        if n is None:
+            p.grad = o
+        elif o.layout == n.layout == torch.strided and o.device == n.device and o.dtype == n.dtype:
+            fused_old.append(o)
+            fused_new.append(n)
+            p.grad = o
+        else:  # sparse gradients, or a dtype/device mix: as AccumulateGrad would, out of place
+            p.grad = o + n
+    if fused_old:
+        torch._foreach_add_(fused_old, fused_new)
+
+
+@contextlib.contextmanager
+def fused_grad_accumulation(model: nn.Module) -> Iterator[None]:
+    """Context for one chunk's backward through ``model``: its parameters' gradients end up
+    added into their ``.grad`` exactly as plain autograd accumulation would, with fewer launches.
+    Gradients reaching tensors outside ``model.parameters()`` accumulate as usual."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not ENABLED or not params or not _fusable(model, params):
+        yield
+        return
+    old = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:  # also on error: nothing accumulated so far is lost
+        _merge(params, old)
