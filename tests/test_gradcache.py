@@ -604,3 +604,20 @@ def test_kept_graph_leaves_room_for_later_frozen_forwards():
         units = [Unit(0, m, None, 4), Unit(0, m, None, 4), Unit(1, m, None, 4)]
         gc._plan_keep(units, costs, usable, [True, False])
         assert [u.keep for u in units] == want, (usable, [u.keep for u in units])
+
+
+def test_a_chunk_that_fits_the_budget_can_always_be_kept():
+    """A kept graph is part of its chunk's forward + backward peak, so the last chunk, sized to
+    fit, is kept even when the probe's two-point line for the held graph overshoots the peak line
+    (as on an H200: the fixed half-precision weight copies made the held line steeper)."""
+    from bigbatch.gradcache.budget import ChunkCost
+    from bigbatch.gradcache.engine import Unit
+
+    gc = GradCache(nn.Linear(2, 2), chunk_sizes=1, loss_fn=clip())
+    m = nn.Linear(2, 2)
+    cost = ChunkCost(fixed=100.0, per_row=10.0, act_per_row=14.0, act_fixed=50.0)
+    assert cost.held(30) == cost.peak(30) == 400.0 and cost.held(1) == 64.0
+    usable = 400
+    units = [Unit(0, m, None, 25), Unit(0, m, None, 30)]
+    gc._plan_keep(units, [cost], usable, [True])
+    assert [u.keep for u in units] == [False, True]

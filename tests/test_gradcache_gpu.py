@@ -165,6 +165,7 @@ def test_budget_is_respected_and_chunks_are_exact():
     peak = torch.cuda.max_memory_allocated() - base
     sizes, rows = gc.last_chunk_sizes, gc.last_chunk_rows
     assert sizes[1] < 512, sizes  # the passages had to be chunked
+    assert gc.last_kept_rows[1] == rows[1][-1], gc.last_kept_rows  # the last chunk, sized to fit, kept its graph
     assert peak <= budget, f"peak extra {peak / 2**20:.1f} MiB > budget {budget / 2**20:.0f} MiB (chunks {sizes})"
     got = grads(models)
     zero(models)

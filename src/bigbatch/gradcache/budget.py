@@ -57,13 +57,16 @@ def parse_memory(value: MemoryArg, name: str = "memory_budget") -> Optional[int]
 @dataclass(frozen=True)
 class ChunkCost:
     """Memory model of one chunk: ``fixed + per_row * rows`` at the forward+backward peak,
-    ``act_per_row * rows`` held by a kept graph between the forward and its backward, and
-    ``rep_per_row`` bytes of representation per row (cached for the whole batch, with its gradient)."""
+    ``act_fixed + act_per_row * rows`` held by a kept graph between the forward and its backward
+    (e.g. the half-precision weight copies autocast saves for the backward are the fixed part),
+    and ``rep_per_row`` bytes of representation per row (cached for the whole batch, with its
+    gradient)."""
 
     fixed: float
     per_row: float
     act_per_row: float
     rep_per_row: float = 0.0
+    act_fixed: float = 0.0
 
     def cached(self, rows: int) -> float:
         """Bytes of the cached representations of ``rows`` rows and their gradients (same dtype)."""
@@ -73,7 +76,9 @@ class ChunkCost:
         return self.fixed + self.per_row * rows
 
     def held(self, rows: int) -> float:
-        return self.act_per_row * rows
+        """Bytes a kept graph of ``rows`` rows holds; never more than the chunk's own forward +
+        backward peak, which contains that graph (so a chunk that fits may always be kept alone)."""
+        return min(self.act_fixed + self.act_per_row * rows, self.peak(rows))
 
     def largest_chunk(self, budget: int, cap: int) -> int:
         """The largest row count (at most ``cap``, the batch) whose peak fits ``budget``, so that
@@ -185,6 +190,8 @@ class ChunkProber:
         else:
             (ca, pa, aa, _), (cb, pb, ab, _) = points
             slope = max((pb - pa) / (cb - ca), pb / cb * 0.5, 1.0)
-            cost = ChunkCost(max(pb - slope * cb, 0.0), slope, max(ab / cb, (ab - aa) / (cb - ca)), rep_per_row)
+            # the held graph: the same two-point line (slope at least 0, fixed part at least 0)
+            act_slope = max((ab - aa) / (cb - ca), 0.0)
+            cost = ChunkCost(max(pb - slope * cb, 0.0), slope, act_slope, rep_per_row, max(ab - act_slope * cb, 0.0))
         self._cache[key] = cost
         return cost
