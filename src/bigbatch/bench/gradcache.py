@@ -249,6 +249,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         row["bigbatch"]["chunk_rows"] = [list(r) for r in bb.last_chunk_rows]
         row["bigbatch"]["kept_rows"] = list(bb.last_kept_rows)
         row["bigbatch"]["kept_chunks"] = bb.last_kept
+        # the probe's memory model per input (MiB): why the chunks and the kept graph are what they are
+        row["bigbatch"]["chunk_cost_mib"] = [{k: round(v / 2**20, 3) for k, v in vars(c).items()}
+                                             for c in bb._prober._cache.values()]
         if row["full"].get("status") == "ok" and row["bigbatch"].get("status") == "ok":
             row["bigbatch_over_full"] = row["bigbatch"]["median_ms"] / row["full"]["median_ms"]
         if row["public"].get("status") == "ok" and row["full"].get("status") == "ok":
