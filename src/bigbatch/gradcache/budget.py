@@ -18,7 +18,6 @@ copy of the model's buffers (restored afterwards), so it changes nothing the ste
 
 from __future__ import annotations
 
-import contextlib
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple, Union
@@ -26,6 +25,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from .buffers import buffers_restored
 from .chunking import batch_size, call_model, model_device, split_batch, tensor_leaves, to_device
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -110,17 +110,6 @@ def _signature(model: nn.Module, x: Any, autocast: Optional[torch.dtype]) -> Tup
     return (id(model), leaves, autocast)
 
 
-@contextlib.contextmanager
-def _restored_buffers(model: nn.Module):
-    saved = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, v in saved:
-                b.copy_(v)
-
-
 def _rep_bytes(rep: Tensor) -> float:
     return float(rep.numel() * rep.element_size())
 
@@ -178,7 +167,7 @@ class ChunkProber:
         params = [p for p in model.parameters() if p.requires_grad]  # empty: a frozen model
         device = model_device(model)
         devices = [device.index] if device.type == "cuda" and device.index is not None else []
-        with torch.random.fork_rng(devices=devices), _restored_buffers(model), torch.enable_grad():
+        with torch.random.fork_rng(devices=devices), buffers_restored([model]), torch.enable_grad():
             points = []
             for c in sorted({c1, c2}):
                 chunk = to_device(split_batch(x, c)[0], device)

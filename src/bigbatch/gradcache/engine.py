@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .accumulate import fused_grad_accumulation
+from .buffers import buffers_restored
 from .chunking import call_model, model_device, staged, tensor_leaves
 from .rng import RngState, cuda_devices_of
 from .wrappers import is_ddp, sync_context
@@ -169,8 +170,9 @@ def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: Eng
         amp = _autocast(device, opts.autocast_dtype)
         no_amp = _no_autocast(device, opts.autocast_dtype)
         # As in pass 1, one autocast context (one weight cast) for every re-run chunk of the model;
-        # each chunk's backward runs with autocast off, as it would outside the context.
-        with amp():
+        # each chunk's backward runs with autocast off, as it would outside the context. Buffers
+        # the re-run forwards update (BatchNorm statistics) are put back: pass 1 updated them.
+        with amp(), buffers_restored([model]):
             for n, (k, chunk) in enumerate(zip(rerun, staged([units[k].chunk for k in rerun], device, opts.offload_inputs))):
                 u = units[k]
                 sync = n == len(rerun) - 1 or opts.ddp_sync == "every_chunk"

@@ -27,7 +27,8 @@ Unlike the public package's ``grad_cache.functional`` (which restores the CPU ra
 the closure re-runs the sub-batch under the CPU and CUDA random states and the autocast setting
 captured at the first call, so dropout masks and precision match on a GPU and under AMP and the
 update equals the full accumulated batch's exactly; the caller's random stream continues as if the
-closure had not run. Call signatures are the public package's. Under DDP, wrap all closures but the last in
+closure had not run. Buffers of modules passed to the function (BatchNorm statistics) are
+updated by the first call only, not again by the closure. Call signatures are the public package's. Under DDP, wrap all closures but the last in
 ``model.no_sync()`` to all-reduce once.
 """
 
@@ -37,8 +38,9 @@ import functools
 from typing import Any, Callable, List, Sequence, Tuple, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from .buffers import buffers_restored
 from .chunking import tensor_leaves
 from .engine import compact
 from .rng import RngState, cuda_devices_of
@@ -101,11 +103,14 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
                     f"the representations passed to the closure of {func.__name__} have no .grad: call it after "
                     "the loss's backward, with the tensors the decorated call returned"
                 )
-            with torch.enable_grad(), rng.replay(), _AutocastReplay(amp):
-                again = _as_tuple(func(*args, **kwargs), func.__name__)
-            pairs = [(t, g) for t, g in zip(again, grads) if g is not None and t.requires_grad]
-            if pairs:
-                torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])
+            # modules passed to func: the re-run must not update their buffers a second time
+            modules = [a for a in list(args) + list(kwargs.values()) if isinstance(a, nn.Module)]
+            with buffers_restored(modules):
+                with torch.enable_grad(), rng.replay(), _AutocastReplay(amp):
+                    again = _as_tuple(func(*args, **kwargs), func.__name__)
+                pairs = [(t, g) for t, g in zip(again, grads) if g is not None and t.requires_grad]
+                if pairs:
+                    torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])
             spent[0] = True
 
         return (*leaves, forward_backward)  # as the public package: rep(s) first, the closure last

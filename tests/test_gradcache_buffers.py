@@ -1,0 +1,144 @@
+"""Buffers a forward updates (BatchNorm statistics) see each chunk once under gradient caching:
+pass 2's re-runs put them back (gradcache/buffers.py). The gradients with BatchNorm in training
+mode are those of the chunked model (each chunk normalised with its own statistics)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import bigbatch
+from bigbatch.gradcache import GradCache, cached, cached_encode
+from bigbatch.gradcache.buffers import buffers_restored
+from bigbatch.gradcache.chunking import split_batch
+
+from test_gradcache import check_grads, grads, zero
+
+F64 = torch.float64
+
+
+def bn_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 12), nn.BatchNorm1d(12), nn.Dropout(0.2), nn.Tanh(), nn.Linear(12, 6)).to(F64)
+
+
+def state(m: nn.Module):
+    return [b.detach().clone() for b in m.buffers()]
+
+
+def loss_fn(a, b):
+    return bigbatch.clip_loss(a, b, 4.0)
+
+
+def data(b: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, 5, generator=g, dtype=F64), torch.randn(b, 5, generator=g, dtype=F64)
+
+
+def reference(m, x, y, chunk: int, seed: int):
+    """The same chunks (short first) in one graph: buffers updated once per chunk."""
+    torch.manual_seed(seed)
+    reps = [torch.cat([m(c) for c in split_batch(t, chunk, short_first=True)]) for t in (x, y)]
+    loss_fn(*reps).backward()
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_gradcache_updates_batchnorm_statistics_once_per_chunk(keep):
+    x, y = data(14, 1)
+    m, ref = bn_model(), bn_model()
+    params, ref_params = list(m.parameters()), list(ref.parameters())
+    gc = GradCache(m, chunk_sizes=4, loss_fn=loss_fn, keep_last_graph=keep)
+    torch.manual_seed(3)
+    gc(x, y)
+    reference(ref, x, y, 4, seed=3)
+    for a, b in zip(state(m), state(ref)):
+        assert torch.equal(a, b) if not a.is_floating_point() else torch.allclose(a, b, rtol=1e-12, atol=1e-14)
+    assert m[1].num_batches_tracked.item() == 8  # 2 inputs x 4 chunks, not 16
+    check_grads(params, grads(ref_params), 1e-10, "BatchNorm model")
+
+
+def test_cached_encode_updates_batchnorm_statistics_once_per_chunk():
+    x, y = data(11, 2)
+    m, ref = bn_model(), bn_model()
+    torch.manual_seed(4)
+    loss_fn(cached_encode(m, x, 3), cached_encode(m, y, 3)).backward()
+    reference(ref, x, y, 3, seed=4)
+    for a, b in zip(state(m), state(ref)):
+        assert torch.allclose(a.double(), b.double(), rtol=1e-12, atol=1e-14)
+    check_grads(list(m.parameters()), grads(list(ref.parameters())), 1e-10, "cached_encode, BatchNorm")
+
+
+def test_functional_closure_does_not_update_buffers_again():
+    m, ref = bn_model(), bn_model()
+
+    @cached
+    def encode(model, x):
+        return model(x)
+
+    x, y = data(8, 3)
+    torch.manual_seed(5)
+    rx, cx = encode(m, x)
+    ry, cy = encode(m, y)
+    after_first = state(m)
+    loss_fn(rx, ry).backward()
+    cx(rx)
+    cy(ry)
+    for a, b in zip(state(m), after_first):
+        assert torch.equal(a, b)
+    torch.manual_seed(5)
+    loss_fn(ref(x), ref(y)).backward()
+    check_grads(list(m.parameters()), grads(list(ref.parameters())), 1e-10, "functional, BatchNorm")
+
+
+class Reassigns(nn.Module):
+    """A forward that re-assigns its buffer (as some rotary caches do) and one that updates in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(()))
+        self.register_buffer("cache", torch.zeros(3))
+
+    def forward(self, x):
+        self.steps += 1
+        self.cache = torch.full((3,), float(self.steps))
+        return x
+
+
+def test_buffers_restored_in_place_and_reassigned():
+    m = Reassigns()
+    steps, cache = m.steps, m.cache
+    m(torch.zeros(1))
+    with buffers_restored([m, m]):  # a module listed twice is restored once
+        m(torch.zeros(1))
+        m(torch.zeros(1))
+    assert m.steps is steps and m.steps.item() == 1.0  # in place: identity kept
+    assert m.cache is not cache and torch.equal(m.cache, torch.ones(3))  # re-assigned: put back
+
+
+def test_gradcache_with_batchnorm_and_a_budget_keeps_statistics():
+    """The chunk-size probe and the kept graph leave the statistics as a plain chunked loop would."""
+    x, y = data(40, 6)
+    m = bn_model()
+    gc = GradCache(m, loss_fn=loss_fn, memory_budget="40KiB")
+    torch.manual_seed(7)
+    gc(x, y)
+    chunks = [len(r) for r in gc.last_chunk_rows]
+    assert sum(chunks) > 2, gc.last_chunk_rows  # the budget forced chunks
+    assert m[1].num_batches_tracked.item() == sum(chunks)
+    zero(list(m.parameters()))
+
+
+def test_cached_encode_beside_a_plain_forward_of_the_same_batchnorm_model():
+    """The restore must not break other graphs that saved the buffers (no version bump): the
+    model also encodes the keys plainly in the same loss."""
+    x, y = data(11, 8)
+    m, ref = bn_model(), bn_model()
+    torch.manual_seed(9)
+    loss_fn(cached_encode(m, x, 4), m(y)).backward()
+    torch.manual_seed(9)
+    rx = torch.cat([ref(c) for c in split_batch(x, 4, short_first=True)])
+    loss_fn(rx, ref(y)).backward()
+    for a, b in zip(state(m), state(ref)):
+        assert torch.allclose(a.double(), b.double(), rtol=1e-12, atol=1e-14)
+    check_grads(list(m.parameters()), grads(list(ref.parameters())), 1e-10, "cached_encode + plain forward")
