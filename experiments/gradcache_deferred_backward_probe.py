@@ -1,0 +1,151 @@
+"""Bound: how much of a cached step's GPU idle comes from Hugging Face's per-forward host sync
+blocking the next chunk's launches behind the previous chunk's backward? (one GPU)
+
+In pass 2, chunk i's backward is issued right after its forward; the next chunk's forward then
+syncs the host on its attention-mask check (``padding_mask.all()``) and so waits until that
+backward has run on the GPU, after which the host-bound forward starves the GPU. This probe
+defers chunk i's backward into chunk i+1's forward, issuing it from a forward pre-hook on the
+BERT encoder stack, i.e. right *after* the mask sync: the host then launches chunk i+1's layers
+while the GPU runs chunk i's backward. Model-specific (the hook point is BERT's ``encoder``), so
+it is a measurement, not a library feature. Checks that the gradients equal the default step's
+and records the peak memory (the next chunk's embeddings live during the backward).
+
+    cd experiments && python gradcache_deferred_backward_probe.py --out ../results/deferred.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+import bigbatch.gradcache.cache as cache_mod
+from bigbatch.bench.common import hardware, matmul_tflops
+from bigbatch.bench.gradcache import DualEncoder, _inputs, _rep
+from bigbatch.gradcache import GradCache, engine
+from bigbatch.gradcache.accumulate import fused_grad_accumulation
+from bigbatch.gradcache.buffers import buffers_restored
+from bigbatch.gradcache.chunking import model_device, staged
+
+from gradcache_fused_ab import once_ms
+
+
+def backprop_deferred(units, grads, opts):
+    """engine.backprop with each re-run chunk's backward issued inside the next chunk's forward."""
+    slices, offsets = {}, [0] * len(grads)
+    for k, u in enumerate(units):
+        g = grads[u.input_index]
+        if g is not None:
+            slices[k] = g[offsets[u.input_index]: offsets[u.input_index] + u.rows]
+        offsets[u.input_index] += u.rows
+    for k, u in enumerate(units):
+        if u.keep:
+            rep, u.kept_rep = u.kept_rep, None
+            if k in slices:
+                with fused_grad_accumulation(u.model):
+                    torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype))
+    order = {}
+    for k, u in enumerate(units):
+        if not u.keep and k in slices:
+            order.setdefault(id(u.model), []).append(k)
+    for rerun in order.values():
+        model = units[rerun[0]].model
+        device = model_device(model)
+        pending = []
+
+        def flush(*_):
+            while pending:
+                rep, g = pending.pop()
+                with torch.autocast(device.type, enabled=False), fused_grad_accumulation(model):
+                    torch.autograd.backward(rep, g)
+
+        handle = model.encoder.register_forward_pre_hook(flush)
+        try:
+            with torch.autocast(device.type, dtype=opts.autocast_dtype), buffers_restored([model]):
+                for k, chunk in zip(rerun, staged([units[k].chunk for k in rerun], device, False)):
+                    u = units[k]
+                    with torch.enable_grad(), u.rng.replay():
+                        rep = engine._rep(opts, model, chunk, u.rows)
+                    pending.append((rep, slices[k].to(rep.device, rep.dtype)))
+                    del rep
+                flush()
+        finally:
+            handle.remove()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1024, 2048])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    setup = DualEncoder(device)
+    mq, mp, loss_fn, params = setup.mq, setup.mp, setup.loss_fn, setup.params
+    amp = dict(device_type="cuda", dtype=torch.bfloat16)
+    gc = GradCache([mq, mp], memory_budget="16GiB", loss_fn=loss_fn, get_rep_fn=_rep, autocast_dtype=torch.bfloat16)
+    out = {"experiment": "gradcache_deferred_backward_probe", "hardware": hardware(), "args": vars(args),
+           "bf16_matmul_tflops": matmul_tflops(), "rows": []}
+    default_backprop = cache_mod.backprop
+
+    def use(deferred: bool):
+        cache_mod.backprop = backprop_deferred if deferred else default_backprop
+
+    for b in args.batches:
+        qi, pi = _inputs(b, 32, setup.cfg.vocab_size, device, 10 + b), _inputs(b, 128, setup.cfg.vocab_size, device, 20 + b)
+
+        def full():
+            with torch.autocast(**amp):
+                l = loss_fn(_rep(mq(**qi)), _rep(mp(**pi)))
+            l.backward()
+
+        def cached(deferred: bool):
+            def step():
+                use(deferred)
+                try:
+                    gc(qi, pi)
+                finally:
+                    use(False)
+            return step
+
+        row = {"batch": b}
+        # exactness: the same step, default vs deferred, from the same seed
+        got = {}
+        for name, deferred in (("default", False), ("deferred", True)):
+            for t in params:
+                t.grad.zero_()
+            torch.manual_seed(123)
+            cached(deferred)()
+            got[name] = torch.cat([t.grad.float().flatten() for t in params])
+        row["grad_rel_diff_deferred_vs_default"] = ((got["deferred"] - got["default"]).norm() / got["default"].norm()).item()
+        # peak memory above the step's start
+        for name, deferred in (("default", False), ("deferred", True)):
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            cached(deferred)()
+            torch.cuda.synchronize()
+            row[f"{name}_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        variants = {"full": full, "default": cached(False), "deferred": cached(True)}
+        times = {k: [] for k in variants}
+        for r in range(args.rounds):
+            for name, fn in variants.items():
+                for _ in range(args.repeat):
+                    times[name].append(once_ms(fn))
+            print(f"B={b} round {r}: " + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in times.items()), flush=True)
+        for name in variants:
+            row[name] = {"median_ms": statistics.median(times[name]), "times_ms": times[name]}
+        for name in ("default", "deferred"):
+            row[f"{name}_over_full"] = row[name]["median_ms"] / row["full"]["median_ms"]
+        row["chunk_rows"] = [list(x) for x in gc.last_chunk_rows]
+        print(json.dumps({k: v for k, v in row.items() if k not in variants}), flush=True)
+        out["rows"].append(row)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
