@@ -3,7 +3,7 @@
 In every re-run chunk's backward, autograd's ``AccumulateGrad`` adds each parameter's new
 gradient into its existing ``.grad`` with one kernel per parameter (about 200 for a BERT-base
 encoder), while a parameter whose ``.grad`` is ``None`` simply adopts the new gradient (no
-kernel). :func:`fused_grad_accumulation` uses that: it sets the model's ``.grad`` tensors aside,
+kernel). :class:`GradAccumulation` uses that: per chunk it sets the model's ``.grad`` tensors aside,
 lets the chunk's backward adopt fresh gradients, then adds them back into the set-aside tensors
 with ``torch._foreach_add_`` (a handful of launches). Each element gets the same one rounding as
 ``old += new``; layouts, tensor identity and views of ``.grad`` are preserved.
@@ -57,19 +57,31 @@ def _merge(params: List[nn.Parameter], old: List[Optional[Tensor]]) -> None:
         torch._foreach_add_(fused_old, fused_new)
 
 
-@contextlib.contextmanager
-def fused_grad_accumulation(model: nn.Module) -> Iterator[None]:
-    """Context for one chunk's backward through ``model``: its parameters' gradients end up
-    added into their ``.grad`` exactly as plain autograd accumulation would, with fewer launches.
-    Gradients reaching tensors outside ``model.parameters()`` accumulate as usual."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not ENABLED or not params or not _fusable(model, params):
-        yield
-        return
-    old = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    try:
-        yield
-    finally:  # also on error: nothing accumulated so far is lost
-        _merge(params, old)
+class GradAccumulation:
+    """The fused accumulation of one model, set up once (its parameter list and whether fusing is
+    allowed) and entered once per chunk's backward: ``with acc.chunk(): backward(...)``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.fused = ENABLED and bool(self.params) and _fusable(model, self.params)
+
+    @contextlib.contextmanager
+    def chunk(self) -> Iterator[None]:
+        """Around one chunk's backward: its parameters' gradients end up added into their
+        ``.grad`` exactly as plain autograd accumulation would, with fewer launches. Gradients
+        reaching tensors outside ``model.parameters()`` accumulate as usual."""
+        if not self.fused:
+            yield
+            return
+        old = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        try:
+            yield
+        finally:  # also on error: nothing accumulated so far is lost
+            _merge(self.params, old)
+
+
+def fused_grad_accumulation(model: nn.Module):
+    """``GradAccumulation(model).chunk()``: the context for a single backward through ``model``."""
+    return GradAccumulation(model).chunk()

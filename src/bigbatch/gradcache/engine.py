@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .accumulate import fused_grad_accumulation
+from .accumulate import GradAccumulation
 from .buffers import buffers_restored
 from .chunking import call_model, model_device, staged, tensor_leaves
 from .rng import RngState, cuda_devices_of
@@ -157,7 +157,7 @@ def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: Eng
             continue
         rep, u.kept_rep = u.kept_rep, None
         if k in slices:
-            with sync_context(u.model, sync=False)(), fused_grad_accumulation(u.model):
+            with sync_context(u.model, sync=False)(), GradAccumulation(u.model).chunk():
                 torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype))
         del rep
     order: Dict[int, List[int]] = {}
@@ -169,6 +169,7 @@ def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: Eng
         device = model_device(model)
         amp = _autocast(device, opts.autocast_dtype)
         no_amp = _no_autocast(device, opts.autocast_dtype)
+        acc = GradAccumulation(model)
         # As in pass 1, one autocast context (one weight cast) for every re-run chunk of the model;
         # each chunk's backward runs with autocast off, as it would outside the context. Buffers
         # the re-run forwards update (BatchNorm statistics) are put back: pass 1 updated them.
@@ -179,6 +180,6 @@ def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: Eng
                 with sync_context(u.model, sync=sync)():
                     with torch.enable_grad(), u.rng.replay():
                         rep = _rep(opts, u.model, chunk, u.rows)
-                    with no_amp(), fused_grad_accumulation(u.model):
+                    with no_amp(), acc.chunk():
                         torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype))
                 del rep
