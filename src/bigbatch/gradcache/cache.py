@@ -92,7 +92,9 @@ class GradCache:
     ``ddp_sync`` for that step (``"last_chunk"`` / ``"every_chunk"``); it is not passed to ``loss_fn``.
 
     Calling ``gc(*inputs, **loss_kwargs)`` runs one cached step: it accumulates into ``.grad`` of every
-    parameter (encoders and loss) and returns the detached, unscaled loss.
+    parameter (encoders and loss) and returns the detached, unscaled loss. Buffers that a forward
+    updates (BatchNorm's running statistics) are updated once per chunk, as in a plain chunked loop;
+    BatchNorm in training mode normalises each chunk with that chunk's statistics.
 
     After a step, per input: ``last_chunk_sizes`` (the chunk size used; with a budget, the largest
     that fits), ``last_chunk_rows`` (the rows of every chunk: with a budget the largest chunk comes
