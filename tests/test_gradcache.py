@@ -621,3 +621,43 @@ def test_a_chunk_that_fits_the_budget_can_always_be_kept():
     units = [Unit(0, m, None, 25), Unit(0, m, None, 30)]
     gc._plan_keep(units, [cost], usable, [True])
     assert [u.keep for u in units] == [False, True]
+
+
+class _LayerDrop(nn.Module):
+    """Skips its block with probability 1/2 drawn from Python's ``random`` and adds NumPy noise:
+    randomness outside torch's generators, which a re-run must replay as well."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.block, self.l2 = nn.Linear(6, 10), nn.Linear(10, 10), nn.Linear(10, 8)
+
+    def forward(self, x):
+        import numpy as np
+        import random
+
+        h = torch.tanh(self.l1(x))
+        if random.random() < 0.5:
+            h = h + torch.tanh(self.block(h))
+        noise = torch.as_tensor(np.random.standard_normal(h.shape[1]), dtype=h.dtype)
+        return self.l2(h * (1 + 0.1 * noise))
+
+
+def test_python_and_numpy_random_draws_are_replayed():
+    import numpy as np
+    import random
+
+    torch.manual_seed(0)
+    models = [_LayerDrop().to(F64), _LayerDrop().to(F64)]
+    params = params_of(models)
+    x, y = make_input("tensor", 13, 1), make_input("tensor", 13, 2)
+    random.seed(11)
+    np.random.seed(12)
+    reference(models, [x, y], 3, clip(), seed=0)
+    ref, ref_after = grads(params), (random.random(), np.random.standard_normal())
+    zero(params)
+    random.seed(11)
+    np.random.seed(12)
+    torch.manual_seed(0)
+    GradCache(models, chunk_sizes=3, loss_fn=clip(), keep_last_graph=False)(x, y)
+    check_grads(params, ref, TOL, "python/numpy random")
+    assert (random.random(), np.random.standard_normal()) == ref_after  # the streams continue as after one pass

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from .buffers import buffers_restored
 from .chunking import batch_size, call_model, model_device, split_batch, tensor_leaves, to_device
+from .rng import forked_rng
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -167,7 +168,7 @@ class ChunkProber:
         params = [p for p in model.parameters() if p.requires_grad]  # empty: a frozen model
         device = model_device(model)
         devices = [device.index] if device.type == "cuda" and device.index is not None else []
-        with torch.random.fork_rng(devices=devices), buffers_restored([model]), torch.enable_grad():
+        with forked_rng(devices), buffers_restored([model]), torch.enable_grad():
             points = []
             for c in sorted({c1, c2}):
                 chunk = to_device(split_batch(x, c)[0], device)

@@ -24,7 +24,7 @@ representations are kept until the loss of the whole accumulated batch is comput
             optimizer.step(); optimizer.zero_grad(); reps_q, reps_p, closures = [], [], []
 
 Unlike the public package's ``grad_cache.functional`` (which restores the CPU random state only),
-the closure re-runs the sub-batch under the CPU and CUDA random states and the autocast setting
+the closure re-runs the sub-batch under the CPU and CUDA random states (and Python's and NumPy's) and the autocast setting
 captured at the first call, so dropout masks and precision match on a GPU and under AMP and the
 update equals the full accumulated batch's exactly; the caller's random stream continues as if the
 closure had not run. Buffers of modules passed to the function (BatchNorm statistics) are

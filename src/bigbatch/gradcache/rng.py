@@ -1,16 +1,20 @@
-"""Random-state capture and replay, so a chunk's second forward sees the dropout masks of its first.
+"""Random-state capture and replay, so a chunk's second forward sees the random draws of its first.
 
-The CPU generator and the generator of every CUDA device the chunk can touch (its input
-tensors' devices and the model's parameter devices) are captured before the first forward of a
-chunk and restored, inside a fork, before its re-run. The fork restores the caller's states
-afterwards, so replaying never disturbs the random stream of the training loop: after a cached
-step the global generators are exactly where an ordinary forward over the same chunks leaves them.
+Captured before the first forward of a chunk and restored, inside a fork, before its re-run:
+torch's CPU generator, the generator of every CUDA device the chunk can touch (its input
+tensors' devices and the model's parameter devices), and Python's ``random`` and NumPy's global
+states (a model may draw from them, e.g. a layer-drop decision with ``random.uniform``). The fork
+restores the caller's states afterwards, so replaying never disturbs the random streams of the
+training loop: after a cached step the global generators are exactly where an ordinary forward
+over the same chunks leaves them.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator, List
+import random
+import sys
+from typing import Any, Iterable, Iterator, List, Optional
 
 import torch
 from torch import Tensor
@@ -21,24 +25,53 @@ def cuda_devices_of(tensors: Iterable[Tensor]) -> List[int]:
     return sorted({t.device.index for t in tensors if t.is_cuda and t.device.index is not None})
 
 
-class RngState:
-    """The CPU and per-CUDA-device generator states at one moment.
+def _numpy_random() -> Optional[Any]:
+    """``numpy.random`` if NumPy is already imported (never imports it)."""
+    np = sys.modules.get("numpy")
+    return getattr(np, "random", None) if np is not None else None
 
-    Capture costs one small tensor per generator (a few KB); nothing is kept beyond that.
+
+@contextlib.contextmanager
+def forked_rng(devices: Iterable[int] = ()) -> Iterator[None]:
+    """Run the body, then put every generator above back where it was on entry."""
+    np_random = _numpy_random()
+    py_state = random.getstate()
+    np_state = np_random.get_state() if np_random is not None else None
+    try:
+        with torch.random.fork_rng(devices=sorted(set(devices)), enabled=True):
+            yield
+    finally:
+        random.setstate(py_state)
+        if np_state is not None:
+            np_random.set_state(np_state)
+
+
+class RngState:
+    """torch's CPU and per-CUDA-device generator states, Python's and NumPy's, at one moment.
+
+    Capture costs one small tensor per torch generator and Python's and NumPy's state (a few KB
+    each); nothing is kept beyond that.
     """
 
-    __slots__ = ("cpu", "devices", "cuda")
+    __slots__ = ("cpu", "devices", "cuda", "py", "np")
 
     def __init__(self, devices: Iterable[int] = ()) -> None:
         self.cpu: Tensor = torch.get_rng_state()
         self.devices: List[int] = sorted(set(devices))
         self.cuda: List[Tensor] = [torch.cuda.get_rng_state(d) for d in self.devices]
+        self.py = random.getstate()
+        np_random = _numpy_random()
+        self.np = np_random.get_state() if np_random is not None else None
 
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
         """Run the body with the captured states; the caller's states are restored on exit."""
-        with torch.random.fork_rng(devices=self.devices, enabled=True):
+        with forked_rng(self.devices):
             torch.set_rng_state(self.cpu)
             for d, s in zip(self.devices, self.cuda):
                 torch.cuda.set_rng_state(s, d)
+            random.setstate(self.py)
+            np_random = _numpy_random()
+            if self.np is not None and np_random is not None:
+                np_random.set_state(self.np)
             yield
