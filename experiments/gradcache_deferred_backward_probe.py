@@ -23,34 +23,20 @@ import torch
 
 import bigbatch.gradcache.cache as cache_mod
 from bigbatch.bench.common import hardware, matmul_tflops
-from bigbatch.bench.gradcache import DualEncoder, _inputs, _rep
+from bigbatch.bench.gradcache import DualEncoder, _rep
 from bigbatch.gradcache import GradCache, engine
-from bigbatch.gradcache.accumulate import fused_grad_accumulation
+from bigbatch.gradcache.accumulate import GradAccumulation
 from bigbatch.gradcache.buffers import buffers_restored
 from bigbatch.gradcache.chunking import model_device, staged
 
-from gradcache_fused_ab import once_ms
+from gradcache_fused_ab import full_step, once_ms
 
 
 def backprop_deferred(units, grads, opts):
     """engine.backprop with each re-run chunk's backward issued inside the next chunk's forward."""
-    slices, offsets = {}, [0] * len(grads)
-    for k, u in enumerate(units):
-        g = grads[u.input_index]
-        if g is not None:
-            slices[k] = g[offsets[u.input_index]: offsets[u.input_index] + u.rows]
-        offsets[u.input_index] += u.rows
-    for k, u in enumerate(units):
-        if u.keep:
-            rep, u.kept_rep = u.kept_rep, None
-            if k in slices:
-                with fused_grad_accumulation(u.model):
-                    torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype))
-    order = {}
-    for k, u in enumerate(units):
-        if not u.keep and k in slices:
-            order.setdefault(id(u.model), []).append(k)
-    for rerun in order.values():
+    slices = engine.grad_slices(units, grads, opts)
+    engine.backprop_kept(units, slices)
+    for rerun in engine.rerun_groups(units, slices):
         model = units[rerun[0]].model
         device = model_device(model)
         pending = []
@@ -58,9 +44,10 @@ def backprop_deferred(units, grads, opts):
         def flush(*_):
             while pending:
                 rep, g = pending.pop()
-                with torch.autocast(device.type, enabled=False), fused_grad_accumulation(model):
+                with torch.autocast(device.type, enabled=False), acc.chunk():
                     torch.autograd.backward(rep, g)
 
+        acc = GradAccumulation(model)
         handle = model.encoder.register_forward_pre_hook(flush)
         try:
             with torch.autocast(device.type, dtype=opts.autocast_dtype), buffers_restored([model]):
@@ -85,7 +72,6 @@ def main() -> None:
     device = torch.device("cuda")
     setup = DualEncoder(device)
     mq, mp, loss_fn, params = setup.mq, setup.mp, setup.loss_fn, setup.params
-    amp = dict(device_type="cuda", dtype=torch.bfloat16)
     gc = GradCache([mq, mp], memory_budget="16GiB", loss_fn=loss_fn, get_rep_fn=_rep, autocast_dtype=torch.bfloat16)
     out = {"experiment": "gradcache_deferred_backward_probe", "hardware": hardware(), "args": vars(args),
            "bf16_matmul_tflops": matmul_tflops(), "rows": []}
@@ -95,12 +81,7 @@ def main() -> None:
         cache_mod.backprop = backprop_deferred if deferred else default_backprop
 
     for b in args.batches:
-        qi, pi = _inputs(b, 32, setup.cfg.vocab_size, device, 10 + b), _inputs(b, 128, setup.cfg.vocab_size, device, 20 + b)
-
-        def full():
-            with torch.autocast(**amp):
-                l = loss_fn(_rep(mq(**qi)), _rep(mp(**pi)))
-            l.backward()
+        qi, pi, full = full_step(setup, b, device)
 
         def cached(deferred: bool):
             def step():

@@ -36,6 +36,19 @@ def once_ms(fn) -> float:
     return s.elapsed_time(e)
 
 
+def full_step(setup, b: int, device):
+    """The benchmark's inputs at batch ``b`` and its full-batch step: (query inputs, passage inputs, step)."""
+    qi = _inputs(b, 32, setup.cfg.vocab_size, device, 10 + b)
+    pi = _inputs(b, 128, setup.cfg.vocab_size, device, 20 + b)
+
+    def full():
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+            l = setup.loss_fn(_rep(setup.mq(**qi)), _rep(setup.mp(**pi)))
+        l.backward()
+
+    return qi, pi, full
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1024, 2048])
@@ -47,18 +60,12 @@ def main() -> None:
     device = torch.device("cuda")
     setup = DualEncoder(device)
     mq, mp, loss_fn = setup.mq, setup.mp, setup.loss_fn
-    amp = dict(device_type="cuda", dtype=torch.bfloat16)
     gc = GradCache([mq, mp], memory_budget=args.budget, loss_fn=loss_fn, get_rep_fn=_rep, autocast_dtype=torch.bfloat16)
     out = {"experiment": "gradcache_fused_ab", "hardware": hardware(), "args": vars(args),
            "bf16_matmul_tflops": matmul_tflops(), "rows": []}
 
     for b in args.batches:
-        qi, pi = _inputs(b, 32, setup.cfg.vocab_size, device, 10 + b), _inputs(b, 128, setup.cfg.vocab_size, device, 20 + b)
-
-        def full():
-            with torch.autocast(**amp):
-                l = loss_fn(_rep(mq(**qi)), _rep(mp(**pi)))
-            l.backward()
+        qi, pi, full = full_step(setup, b, device)
 
         def cached(on: bool):
             def step():

@@ -140,8 +140,9 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
     return out
 
 
-def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: EngineOptions) -> None:
-    """Pass 2. ``grads[i]`` is d(loss)/d(representation of input i), (B_i, ...), or ``None`` (no gradient)."""
+def grad_slices(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: EngineOptions) -> Dict[int, Tensor]:
+    """Unit index -> its rows of the cached gradient (on the CPU with ``offload_reps``); units whose
+    input got no gradient are absent."""
     slices: Dict[int, Tensor] = {}
     offsets = [0] * len(grads)
     for k, u in enumerate(units):
@@ -150,8 +151,12 @@ def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: Eng
             g = g[offsets[u.input_index] : offsets[u.input_index] + u.rows]
             slices[k] = g.to("cpu") if opts.offload_reps else g
         offsets[u.input_index] += u.rows
-    # Every kept graph is back-propagated (and freed) before any chunk is re-run, so kept
-    # activations never coexist with a re-run chunk's forward + backward.
+    return slices
+
+
+def backprop_kept(units: Sequence[Unit], slices: Dict[int, Tensor]) -> None:
+    """Back-propagate (and free) every kept graph. Runs before any chunk is re-run, so kept
+    activations never coexist with a re-run chunk's forward + backward."""
     for k, u in enumerate(units):
         if not u.keep:
             continue
@@ -160,11 +165,22 @@ def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: Eng
             with sync_context(u.model, sync=False)(), GradAccumulation(u.model).chunk():
                 torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype))
         del rep
+
+
+def rerun_groups(units: Sequence[Unit], slices: Dict[int, Tensor]) -> List[List[int]]:
+    """The units to re-run, grouped by model in order of first use."""
     order: Dict[int, List[int]] = {}
     for k, u in enumerate(units):
         if not u.keep and k in slices:
             order.setdefault(id(u.model), []).append(k)
-    for rerun in order.values():
+    return list(order.values())
+
+
+def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: EngineOptions) -> None:
+    """Pass 2. ``grads[i]`` is d(loss)/d(representation of input i), (B_i, ...), or ``None`` (no gradient)."""
+    slices = grad_slices(units, grads, opts)
+    backprop_kept(units, slices)
+    for rerun in rerun_groups(units, slices):
         model = units[rerun[0]].model
         device = model_device(model)
         amp = _autocast(device, opts.autocast_dtype)
