@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
@@ -29,7 +28,7 @@ from bigbatch.gradcache.accumulate import GradAccumulation
 from bigbatch.gradcache.buffers import buffers_restored
 from bigbatch.gradcache.chunking import model_device, staged
 
-from gradcache_fused_ab import full_step, once_ms
+from gradcache_fused_ab import full_step, interleaved, record
 
 
 def backprop_deferred(units, grads, opts):
@@ -111,21 +110,11 @@ def main() -> None:
             torch.cuda.synchronize()
             row[f"{name}_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         variants = {"full": full, "default": cached(False), "deferred": cached(True)}
-        times = {k: [] for k in variants}
-        for r in range(args.rounds):
-            for name, fn in variants.items():
-                for _ in range(args.repeat):
-                    times[name].append(once_ms(fn))
-            print(f"B={b} round {r}: " + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in times.items()), flush=True)
-        for name in variants:
-            row[name] = {"median_ms": statistics.median(times[name]), "times_ms": times[name]}
+        row.update(interleaved(variants, args.rounds, args.repeat, f"B={b}"))
         for name in ("default", "deferred"):
             row[f"{name}_over_full"] = row[name]["median_ms"] / row["full"]["median_ms"]
         row["chunk_rows"] = [list(x) for x in gc.last_chunk_rows]
-        print(json.dumps({k: v for k, v in row.items() if k not in variants}), flush=True)
-        out["rows"].append(row)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        record(out, row, variants, args.out)
 
 
 if __name__ == "__main__":

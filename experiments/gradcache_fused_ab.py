@@ -36,6 +36,26 @@ def once_ms(fn) -> float:
     return s.elapsed_time(e)
 
 
+def interleaved(variants, rounds: int, repeat: int, label: str):
+    """CUDA-event times of each variant, interleaved: ``rounds`` x (each variant ``repeat`` times).
+    Returns {name: {"median_ms", "times_ms"}}; prints the running medians after each round."""
+    times = {k: [] for k in variants}
+    for r in range(rounds):
+        for name, fn in variants.items():
+            for _ in range(repeat):
+                times[name].append(once_ms(fn))
+        print(f"{label} round {r}: " + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in times.items()), flush=True)
+    return {k: {"median_ms": statistics.median(v), "times_ms": v} for k, v in times.items()}
+
+
+def record(out, row, variants, path: str) -> None:
+    """Print the row's summary (without the per-variant timings), append it, rewrite the JSON."""
+    print(json.dumps({k: v for k, v in row.items() if k not in variants}), flush=True)
+    out["rows"].append(row)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
 def full_step(setup, b: int, device):
     """The benchmark's inputs at batch ``b`` and its full-batch step: (query inputs, passage inputs, step)."""
     qi = _inputs(b, 32, setup.cfg.vocab_size, device, 10 + b)
@@ -77,17 +97,12 @@ def main() -> None:
             return step
 
         variants = {"full": full, "fused": cached(True), "plain": cached(False)}
-        times = {k: [] for k in variants}
         for fn in variants.values():  # warm-up (and the chunk-size probe)
             fn()
-        for r in range(args.rounds):
-            for name, fn in variants.items():
-                for _ in range(args.repeat):
-                    times[name].append(once_ms(fn))
-            print(f"B={b} round {r}: " + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in times.items()), flush=True)
+        timed = interleaved(variants, args.rounds, args.repeat, f"B={b}")
         row = {"batch": b, "chunk_rows": [list(x) for x in gc.last_chunk_rows], "kept_rows": list(gc.last_kept_rows)}
         for name, fn in variants.items():
-            row[name] = {"median_ms": statistics.median(times[name]), "times_ms": times[name]}
+            row[name] = timed[name]
             t0 = time.perf_counter()
             fn()
             row[name]["issue_ms"] = (time.perf_counter() - t0) * 1e3
@@ -96,10 +111,7 @@ def main() -> None:
             row[name]["profiled"] = {k: v for k, v in prof.items() if k != "top"}
         for name in ("fused", "plain"):
             row[f"{name}_over_full"] = row[name]["median_ms"] / row["full"]["median_ms"]
-        print(json.dumps({k: v for k, v in row.items() if k not in variants}), flush=True)
-        out["rows"].append(row)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        record(out, row, variants, args.out)
 
 
 if __name__ == "__main__":
