@@ -16,7 +16,6 @@ and records the peak memory (the next chunk's embeddings live during the backwar
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
