@@ -37,8 +37,11 @@ def once_ms(fn) -> float:
 
 
 def interleaved(variants, rounds: int, repeat: int, label: str):
-    """CUDA-event times of each variant, interleaved: ``rounds`` x (each variant ``repeat`` times).
-    Returns {name: {"median_ms", "times_ms"}}; prints the running medians after each round."""
+    """CUDA-event times of each variant, interleaved: ``rounds`` x (each variant ``repeat`` times),
+    after one warm-up call of each. Returns {name: {"median_ms", "times_ms"}}; prints the running
+    medians after each round."""
+    for fn in variants.values():
+        fn()
     times = {k: [] for k in variants}
     for r in range(rounds):
         for name, fn in variants.items():
@@ -97,8 +100,6 @@ def main() -> None:
             return step
 
         variants = {"full": full, "fused": cached(True), "plain": cached(False)}
-        for fn in variants.values():  # warm-up (and the chunk-size probe)
-            fn()
         timed = interleaved(variants, args.rounds, args.repeat, f"B={b}")
         row = {"batch": b, "chunk_rows": [list(x) for x in gc.last_chunk_rows], "kept_rows": list(gc.last_kept_rows)}
         for name, fn in variants.items():
