@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bigbatch.gradcache import GradCache, accumulate, cached_encode
-from bigbatch.gradcache.accumulate import fused_grad_accumulation
+from bigbatch.gradcache.accumulate import GradAccumulation
 
 from helpers import assert_rel
 
@@ -121,7 +121,7 @@ def test_error_in_backward_keeps_the_gradients_set_aside():
     g = torch.ones_like(m.weight)
     m.weight.grad = g
     with pytest.raises(RuntimeError, match="boom"):
-        with fused_grad_accumulation(m):
+        with GradAccumulation(m).chunk():
             assert m.weight.grad is None
             raise RuntimeError("boom")
     assert m.weight.grad is g and torch.equal(g, torch.ones_like(g))

@@ -80,8 +80,3 @@ class GradAccumulation:
             yield
         finally:  # also on error: nothing accumulated so far is lost
             _merge(self.params, old)
-
-
-def fused_grad_accumulation(model: nn.Module):
-    """``GradAccumulation(model).chunk()``: the context for a single backward through ``model``."""
-    return GradAccumulation(model).chunk()
