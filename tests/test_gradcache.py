@@ -8,6 +8,7 @@ the reference is one plain forward over the whole batch.
 
 from __future__ import annotations
 
+import contextlib
 from collections import UserDict
 
 import pytest
@@ -661,3 +662,30 @@ def test_python_and_numpy_random_draws_are_replayed():
     GradCache(models, chunk_sizes=3, loss_fn=clip(), keep_last_graph=False)(x, y)
     check_grads(params, ref, TOL, "python/numpy random")
     assert (random.random(), np.random.standard_normal()) == ref_after  # the streams continue as after one pass
+
+
+def test_cuda_probe_discards_a_first_unmeasured_run(monkeypatch):
+    """One-time allocations of a first forward + backward must not enter the fitted line: on CUDA
+    the small chunk runs once unmeasured. Simulated: the first measurement carries a one-time
+    extra; the fitted slope must be the true one."""
+    from bigbatch.gradcache import budget
+
+    calls = []
+
+    def fake_measure(model, x, get_rep, autocast_ctx, params, device):
+        rows = x.shape[0]
+        one_time = 1000.0 if not calls else 0.0
+        calls.append(rows)
+        return 100.0 + 10.0 * rows + one_time, 5.0 * rows, 8.0 * rows
+
+    monkeypatch.setattr(budget, "_measure", fake_measure)
+    monkeypatch.setattr(budget, "model_device", lambda m: torch.device("cuda", 0))
+    monkeypatch.setattr(budget, "to_device", lambda x, d: x)
+    monkeypatch.setattr(budget, "forked_rng", lambda devices: contextlib.nullcontext())
+    cost = budget.ChunkProber().cost(nn.Linear(6, 8), torch.zeros(100, 6), lambda o: o, contextlib.nullcontext, None)
+    assert calls == [16, 16, 48]
+    assert cost.per_row == 10.0 and cost.fixed == 100.0
+    calls.clear()
+    monkeypatch.setattr(budget, "model_device", lambda m: torch.device("cpu"))
+    budget.ChunkProber().cost(nn.Linear(6, 8), torch.zeros(100, 6), lambda o: o, contextlib.nullcontext, None)
+    assert calls == [16, 48]  # the CPU estimate (saved-tensor bytes) has no allocator state
