@@ -68,9 +68,18 @@ def test_meta_device_mismatch_is_rejected():
 
 
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    """Refused before the kernel modules are imported: Triton fixes at ``@triton.jit`` time whether
+    a kernel is interpreted, so an import here would break later interpreted runs in the process."""
+    import sys
+
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    modules = ("bigbatch.backends.triton_softmax", "bigbatch.backends.triton_sigmoid")
+    before = [m in sys.modules for m in modules]
     with pytest.raises(ValueError, match="triton"):
         bigbatch.clip_loss(ok(), ok(), 1.0, backend="triton")
+    with pytest.raises(ValueError, match="triton"):
+        bigbatch.siglip_loss(ok(), ok(), 1.0, 0.0, backend="triton")
+    assert [m in sys.modules for m in modules] == before
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])

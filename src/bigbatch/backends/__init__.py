@@ -34,6 +34,12 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the Triton backends can run on ``device``: CUDA, or the CPU under the interpreter."""
+    device = torch.device(device)
+    return device.type == "cuda" or (device.type == "cpu" and triton_interpreted())
+
+
 # Per op: (protocol, what a backend object must be, torch class, triton module, triton class).
 _OPS = {
     "softmax": (TileBackend, "a backend object", TorchTiles, "triton_softmax", "TritonTiles"),
@@ -73,15 +79,16 @@ def resolve_backend(
     if backend == "torch":
         return torch_cls()
     if backend == "triton":
-        impl = _make_triton(op)
-        if not impl.supports(device):
+        # checked before the kernel module is imported: Triton fixes at @triton.jit time whether a
+        # kernel is interpreted, so importing it under the wrong setting would stick for the process
+        if not triton_runs_on(device):
             raise ValueError(
                 f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), "
                 f"got tensors on {device}"
             )
         if dtype == torch.float64:
             raise ValueError("backend='triton' takes float16/bfloat16/float32 features, got float64; use backend='torch'")
-        return impl
+        return _make_triton(op)
     if device.type == "cuda" and triton_available() and dtype != torch.float64:
         return _make_triton(op)
     return torch_cls()
@@ -98,4 +105,5 @@ __all__ = [
     "resolve_backend",
     "triton_available",
     "triton_interpreted",
+    "triton_runs_on",
 ]

@@ -26,7 +26,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from . import triton_interpreted
+from . import triton_runs_on
 from .base import compute_dtype
 from .torch_sigmoid import check_ids
 from .gemm import mm_acc
@@ -187,7 +187,7 @@ class TritonSigmoid:
             )
 
     def supports(self, device: torch.device) -> bool:
-        return device.type == "cuda" or (device.type == "cpu" and triton_interpreted())
+        return triton_runs_on(device)
 
     def _config(self, dtype: torch.dtype, device: torch.device) -> Tuple[int, int, int, int, int, int]:
         if self.block is not None:

@@ -27,7 +27,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from . import triton_interpreted
+from . import triton_runs_on
 from .base import compute_dtype
 from .gemm import mm_acc
 from .triton_softmax_bwd import dlogits_kernel, matmul_acc_kernel, matmul_acc_pair_kernel
@@ -161,8 +161,7 @@ class TritonTiles:
 
     # ------------------------------------------------------------------ helpers
     def supports(self, device: torch.device) -> bool:
-        device = torch.device(device)
-        return device.type == "cuda" or (device.type == "cpu" and triton_interpreted())
+        return triton_runs_on(device)
 
     def _config(self, dtype: torch.dtype, device: torch.device) -> _Config:
         base = _gpu_config(dtype, device) if device.type == "cuda" else _interpreter_config()
