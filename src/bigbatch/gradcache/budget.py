@@ -170,18 +170,17 @@ class ChunkProber:
         device = model_device(model)
         devices = [device.index] if device.type == "cuda" and device.index is not None else []
         with forked_rng(devices), buffers_restored([model]), torch.enable_grad():
-            points = []
+            def measure(c: int) -> Tuple[float, float, float]:
+                return _measure(model, to_device(split_batch(x, c)[0], device), get_rep, autocast_ctx, params, device)
+
             # On CUDA, a first forward + backward also makes one-time allocations (library
             # workspaces, lazily built state) that the step does not repeat; counted in the small
             # probe they flatten the fitted slope and over-size the chunks (the likely cause of
             # 8% larger query chunks, 1265 vs 1171 rows, in an H200 process whose first GPU work
             # was the probe). So the small chunk runs once unmeasured first.
-            warmup = [c1] if device.type == "cuda" else []
-            for n, c in enumerate(warmup + sorted({c1, c2})):
-                chunk = to_device(split_batch(x, c)[0], device)
-                point = (c, *_measure(model, chunk, get_rep, autocast_ctx, params, device))
-                if n >= len(warmup):
-                    points.append(point)
+            if device.type == "cuda":
+                measure(c1)
+            points = [(c, *measure(c)) for c in sorted({c1, c2})]
         rep_per_row = points[-1][3] / points[-1][0]
         if len(points) == 1:  # the whole batch is smaller than the first probe: assume no fixed part
             c, peak, act, _ = points[0]

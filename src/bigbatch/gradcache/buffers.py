@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 from typing import Iterable, Iterator, List, Tuple
 
-import torch
 from torch import Tensor, nn
 
 
