@@ -1,7 +1,9 @@
 """Memory budgets and the automatic chunk size: the largest chunk whose forward + backward fits.
 
-A budget is the memory a cached step may add on top of what is allocated when it starts
-(weights, optimizer state and existing ``.grad`` are not counted; newly created ``.grad`` is).
+A budget caps the step's peak memory. On CUDA that is the device's whole allocation
+(``torch.cuda.memory_allocated``: weights, optimizer state and ``.grad`` included), so the bytes
+already allocated when the step starts come out of the budget. On the CPU, which has no allocator
+statistics, a budget is the (estimated) memory the step adds.
 
 Probe (once per model, input shape beyond the batch dimension, dtype and autocast setting):
 run forward + backward of two small chunks ``c1 < c2`` and fit ``peak(c) = fixed + per_row * c``
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -94,11 +96,22 @@ class ChunkCost:
         return max(1, min(cap, int(room // max(self.per_row, 1.0))))
 
 
-def planning_budget(budget: int, fraction: float, cached: float) -> int:
-    """The bytes chunks and kept graphs are planned against: ``fraction`` of ``budget`` (slack for
-    allocator rounding and the loss) less ``cached``, the bytes of the whole batch's cached
-    representations and their gradients, which live through the whole step."""
-    usable = int(budget * fraction - cached)
+def allocated_now(devices: Sequence[torch.device]) -> int:
+    """Bytes allocated before the step on the CUDA devices it uses (the largest); 0 on the CPU."""
+    return max((torch.cuda.memory_allocated(d) for d in devices if d.type == "cuda"), default=0)
+
+
+def planning_budget(budget: int, fraction: float, cached: float, in_use: int = 0) -> int:
+    """The bytes chunks and kept graphs are planned against: ``fraction`` of what ``budget`` leaves
+    above ``in_use`` (the bytes allocated before the step; slack for allocator rounding and the
+    loss) less ``cached``, the bytes of the whole batch's cached representations and their
+    gradients, which live through the whole step."""
+    if in_use >= budget:
+        raise ValueError(
+            f"memory_budget of {budget / 2**30:.3g} GiB is already taken by the {in_use / 2**30:.3g} GiB "
+            "allocated before the step (weights, optimizer state, gradients): raise it"
+        )
+    usable = int((budget - in_use) * fraction - cached)
     if usable <= 0:
         raise ValueError(
             f"memory_budget of {budget / 2**30:.3g} GiB cannot even hold the cached representations and "

@@ -22,7 +22,7 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from .budget import ChunkProber, MemoryArg, parse_memory, planning_budget
+from .budget import ChunkProber, MemoryArg, allocated_now, parse_memory, planning_budget
 from .chunking import batch_size, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, backprop, encode, finalize_plan
 from .wrappers import DDP_SYNC_MODES, check_not_fsdp, is_ddp
@@ -32,7 +32,7 @@ _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 # the loss's own memory) less the cached representations and their gradients (planning_budget).
 # On an H200 (BERT-base, bf16, 16 GiB) the measured step peaks were 15.12-15.16 GiB.
 _BUDGET_FRACTION = 0.95
-_FREE_FRACTION = 0.9  # the default budget: this share of the device's free memory
+_FREE_FRACTION = 0.9  # the default budget: what is allocated now plus this share of the free memory
 
 
 def _identity(x: Any) -> Any:
@@ -49,10 +49,11 @@ def check_options(autocast_dtype, scaler, ddp_sync) -> None:
 
 
 def default_budget(device: torch.device) -> int:
-    """90% of the free memory of a CUDA device; on other devices a budget must be given."""
+    """On CUDA: what is allocated now plus 90% of the device's free memory (a step may use 90% of
+    what is free); on other devices a budget must be given."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free * _FREE_FRACTION)
+        return torch.cuda.memory_allocated(device) + int(free * _FREE_FRACTION)
     raise ValueError(
         f"chunk_sizes=None needs a memory_budget on {device.type} (memory cannot be measured there "
         "the way it is on CUDA): pass chunk_sizes=<rows per chunk> or memory_budget='4GiB'"
@@ -74,8 +75,11 @@ class GradCache:
         split_input_fn: ``(inputs, chunk_size) -> list of chunks``; default splits tensors, mappings
             (dict, BatchEncoding), lists and tuples along dimension 0.
         get_rep_fn: model output -> (rows, ...) representation tensor; default: the output itself.
-        memory_budget: bytes or a string like ``"16GiB"``: memory a step may add above what is allocated
-            when it starts. Default on CUDA: 90% of free memory; on CPU a budget or chunk sizes are required.
+        memory_budget: bytes or a string like ``"16GiB"``: the step's peak memory. On CUDA the device's
+            whole allocation (``torch.cuda.memory_allocated``), so what is allocated when the step starts
+            (weights, optimizer state, ``.grad``) counts; default: that plus 90% of the free memory. On the
+            CPU (no allocator statistics) the memory the step adds, estimated; a budget or chunk sizes
+            are required there.
         scaler: a ``torch.amp.GradScaler`` (fp16): the loss is scaled before the cache is built, so the
             cached gradients and the parameter gradients are scaled; call ``scaler.step``/``update`` after.
             Non-finite cached gradients propagate to ``.grad`` so the scaler skips that step.
@@ -177,15 +181,16 @@ class GradCache:
             if self.memory_budget is None:
                 return list(sizes), [None] * len(inputs), None
             costs = [self._cost(m, x) for m, x in zip(models, inputs)]
-            return list(sizes), costs, self._usable(self.memory_budget, costs, batches)
+            return list(sizes), costs, self._usable(self.memory_budget, models, costs, batches)
         budget = self.memory_budget or default_budget(model_device(models[0]))
         costs = [self._cost(m, x) for m, x in zip(models, inputs)]
-        usable = self._usable(budget, costs, batches)
+        usable = self._usable(budget, models, costs, batches)
         return [c.largest_chunk(usable, b) for c, b in zip(costs, batches)], costs, usable
 
-    def _usable(self, budget: int, costs, batches: Sequence[int]) -> int:
+    def _usable(self, budget: int, models: Sequence[nn.Module], costs, batches: Sequence[int]) -> int:
         cached = 0.0 if self.offload_reps else sum(c.cached(b) for c, b in zip(costs, batches))
-        return planning_budget(budget, _BUDGET_FRACTION, cached)
+        in_use = allocated_now([model_device(m) for m in models])
+        return planning_budget(budget, _BUDGET_FRACTION, cached, in_use)
 
     def _cost(self, model: nn.Module, x: Any):
         module = model.module if is_ddp(model) else model

@@ -17,7 +17,7 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch import Tensor, nn
 
-from .budget import ChunkProber, MemoryArg, parse_memory, planning_budget
+from .budget import ChunkProber, MemoryArg, allocated_now, parse_memory, planning_budget
 from .cache import _BUDGET_FRACTION, _identity, check_options, default_budget
 from .chunking import batch_size, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, _autocast, backprop, encode, finalize_plan
@@ -70,7 +70,8 @@ def cached_encode(
             the first are identical on every rank and averaging is linear.
         inputs: tensor, mapping (dict, BatchEncoding), list or tuple with batch dimension 0.
         chunk_size: rows per chunk; ``None`` picks the largest chunk whose forward + backward fits
-            ``memory_budget`` (CUDA default: 90% of free memory; on CPU one of the two is required).
+            ``memory_budget`` (the step's peak; on CUDA the device's whole allocation, default: what is
+            allocated plus 90% of the free memory; on CPU one of the two is required).
         get_rep_fn: model output -> (rows, ...) representation; default: the output itself.
         split_input_fn: custom ``(inputs, chunk_size) -> chunks``.
         autocast_dtype: autocast dtype for both passes; ``None`` inherits the caller's autocast state.
@@ -97,7 +98,7 @@ def cached_encode(
         module = model.module if is_ddp(model) else model
         cost = _PROBER.cost(module, inputs, get_rep, _autocast(device, autocast_dtype), autocast_dtype)
         cached = 0.0 if offload_reps else cost.cached(b)
-        chunk_size = cost.largest_chunk(planning_budget(budget, _BUDGET_FRACTION, cached), b)
+        chunk_size = cost.largest_chunk(planning_budget(budget, _BUDGET_FRACTION, cached, allocated_now([device])), b)
     chunks = split_chunks(inputs, chunk_size, split_input_fn=split_input_fn, from_budget=sized_from_budget)
     units = [Unit(0, model, c, batch_size(c, "a chunk of inputs")) for c in chunks]
     opts = EngineOptions(get_rep, autocast_dtype, offload_inputs, offload_reps, ddp_sync)
