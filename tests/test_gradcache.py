@@ -517,6 +517,10 @@ def test_budget_leaves_room_for_the_cached_representations():
     assert planning_budget(10_000, 0.95, cost.cached(100)) == 9500 - 1600
     with pytest.raises(ValueError, match="cached representations.*offload_reps=True"):
         planning_budget(10_000, 0.95, cost.cached(1000))
+    # what is allocated before the step (on CUDA) comes out of the budget first
+    assert planning_budget(10_000, 0.95, cost.cached(100), in_use=2_000) == int(8_000 * 0.95) - 1600
+    with pytest.raises(ValueError, match=r"already taken by.*allocated before the step"):
+        planning_budget(10_000, 0.95, 0.0, in_use=10_000)
     models = make_models(2)
     x, y = make_input("tensor", 40, 1), make_input("tensor", 40, 2)
     gc = GradCache(models, loss_fn=clip(), memory_budget="24KiB")
