@@ -1,0 +1,99 @@
+"""Where in a cached step does the GPU wait for the host? (one GPU)
+
+The setting of ``bigbatch.bench.gradcache`` at B = 2,048 and a 16 GiB budget. One profiled call
+each of the full-batch step and ``bigbatch.GradCache``: the idle gaps between consecutive
+device intervals (kernels, copies, memsets), summed by the kernel that ends the gap (what the
+GPU was waiting to receive) and by size; and host ranges (pass 1 per model, the loss, pass 2)
+from ``record_function`` marks placed by wrapping the engine's functions, so each gap is also
+attributed to the phase whose host range covers it.
+
+    cd experiments && python gradcache_gap_probe.py --out ../results/gradcache_gaps.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import tempfile
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+import bigbatch.gradcache.cache as cache_mod
+from bigbatch.bench.common import hardware
+from bigbatch.bench.gradcache import DualEncoder, _rep
+from bigbatch.gradcache import GradCache
+
+from gradcache_fused_ab import full_step
+
+PHASES = ("bb_encode", "bb_backprop", "bb_loss")
+
+
+def marked(fn, name):
+    def wrapped(*a, **k):
+        with record_function(name):
+            return fn(*a, **k)
+    return wrapped
+
+
+def trace(fn):
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    path = tempfile.mktemp(suffix=".json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    os.unlink(path)
+    dev = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"][:70]) for e in events
+                 if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    ranges = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in events
+              if e.get("ph") == "X" and e.get("name") in PHASES]
+    by_next, by_phase, sizes = collections.Counter(), collections.Counter(), collections.Counter()
+    end = dev[0][1]
+    idle = 0.0
+    for a, b, name in dev[1:]:
+        gap = a - end
+        if gap > 5.0:  # microseconds; below this it is launch latency between queued kernels
+            idle += gap
+            by_next[name] += gap / 1e3
+            phase = next((p for (s, e, p) in ranges if s <= a <= e), "other")
+            by_phase[phase] += gap / 1e3
+            sizes["<50us" if gap < 50 else "<500us" if gap < 500 else "<5ms" if gap < 5000 else ">=5ms"] += gap / 1e3
+        end = max(end, b)
+    return {"span_ms": (end - dev[0][0]) / 1e3, "idle_ms": idle / 1e3, "kernels": len(dev),
+            "by_phase_ms": dict(by_phase), "by_size_ms": dict(sizes),
+            "by_next_kernel_ms": [[k, round(v, 3)] for k, v in by_next.most_common(25)],
+            "phase_host_ms": {p: sum(e - s for s, e, q in ranges if q == p) / 1e3 for p in PHASES}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    setup = DualEncoder(device)
+    cache_mod.encode = marked(cache_mod.encode, "bb_encode")
+    cache_mod.backprop = marked(cache_mod.backprop, "bb_backprop")
+    gc = GradCache([setup.mq, setup.mp], loss_fn=marked(setup.loss_fn, "bb_loss"), get_rep_fn=_rep,
+                   autocast_dtype=torch.bfloat16, memory_budget="16GiB")
+    qi, pi, full = full_step(setup, args.batch, device)
+    out = {"experiment": "gradcache_gap_probe", "hardware": hardware(), "batch": args.batch}
+    out["full"] = trace(full)
+    out["gradcache"] = trace(lambda: gc(qi, pi))
+    out["gradcache"]["chunk_rows"] = [list(r) for r in gc.last_chunk_rows]
+    for k in ("full", "gradcache"):
+        print(k, json.dumps({kk: v for kk, v in out[k].items() if kk != "by_next_kernel_ms"}), flush=True)
+        for name, ms in out[k]["by_next_kernel_ms"][:12]:
+            print("   ", ms, name)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
