@@ -1,25 +1,76 @@
-"""nn.Module wrappers with OpenCLIP's forward signatures."""
+"""nn.Module wrappers with OpenCLIP's constructor and forward signatures."""
 
 from __future__ import annotations
 
-from typing import Dict, Union
+from typing import Dict, Optional, Union
 
 from torch import Tensor, nn
 
 from .backends import BackendArg
 from .functional import clip_loss
 
+_SIGLIP_DIST_IMPLS = (None, "bidir", "shift", "reduce", "gather")
+
+
+def openclip_group(group, rank: int, world_size: int, use_horovod: bool):
+    """The process group an OpenCLIP-style ``(rank, world_size)`` pair means: ``group`` when given
+    (checked against them), ``None`` for one process, else the default (WORLD) group, which must
+    be initialised and match ``rank`` and ``world_size``."""
+    if use_horovod:
+        raise ValueError("use_horovod=True: bigbatch communicates through torch.distributed only "
+                         "(pass group=<process group>, or rank/world_size of the initialised default group)")
+    for name, v in (("rank", rank), ("world_size", world_size)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    if world_size < 1 or rank >= world_size:
+        raise ValueError(f"rank must be in [0, world_size) and world_size >= 1, got rank={rank}, world_size={world_size}")
+    if group is None and world_size == 1:
+        return None
+    import torch.distributed as dist
+
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(f"world_size={world_size} needs torch.distributed initialised (init_process_group) "
+                             "or an explicit group=")
+        group = dist.group.WORLD
+    if world_size > 1 or rank > 0:  # given explicitly: they must describe the group
+        got = (dist.get_rank(group), dist.get_world_size(group))
+        if got != (rank, world_size):
+            raise ValueError(f"rank={rank}, world_size={world_size} do not match the process group "
+                             f"(rank {got[0]} of {got[1]})")
+    return group
+
 
 class ClipLoss(nn.Module):
-    """Drop-in for ``open_clip.ClipLoss``: ``forward(image_features, text_features, logit_scale, output_dict=False)``.
+    """Drop-in for ``open_clip.ClipLoss``: the same constructor arguments and
+    ``forward(image_features, text_features, logit_scale, output_dict=False)``.
 
     ``logit_scale`` is the multiplier (OpenCLIP passes ``model.logit_scale.exp()``).
-    ``group`` makes the loss global over a process group's shards (the ring).
+    ``group`` (or OpenCLIP's ``rank``/``world_size`` of the initialised default group) makes the
+    loss global over the ranks' shards, through bigbatch's ring: no feature gather, and the
+    gradients averaged over ranks (DDP) are always the exact global ones -- OpenCLIP's
+    ``gather_with_grad=True``, also when ``gather_with_grad=False`` is passed. Each rank returns its
+    share of the loss (the mean over ranks is the global loss), the value OpenCLIP's
+    ``local_loss=True`` returns; ``local_loss`` and ``cache_labels`` change nothing here.
+    ``use_horovod=True`` is refused.
     """
 
-    def __init__(self, *, group=None, backend: BackendArg = "auto") -> None:
+    def __init__(
+        self,
+        local_loss: bool = False,
+        gather_with_grad: bool = False,
+        cache_labels: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        use_horovod: bool = False,
+        *,
+        group=None,
+        backend: BackendArg = "auto",
+    ) -> None:
         super().__init__()
-        self.group = group
+        self.local_loss, self.gather_with_grad, self.cache_labels = local_loss, gather_with_grad, cache_labels
+        self.rank, self.world_size = rank, world_size
+        self.group = openclip_group(group, rank, world_size, use_horovod)
         self.backend = backend
 
     def forward(
@@ -35,13 +86,29 @@ class SigLipLoss(nn.Module):
 
     ``logit_scale`` is the multiplier (OpenCLIP passes ``model.logit_scale.exp()``), ``logit_bias``
     the additive bias (``None``: 0). ``labels`` (keyword) are optional (B,) class ids: equal ids are
-    positive pairs. ``group`` makes the loss global over a process group's shards (a memory-bounded
-    ring instead of OpenCLIP's neighbour exchange); the value per rank follows OpenCLIP's convention.
+    positive pairs. ``group`` (or OpenCLIP's ``rank``/``world_size`` of the initialised default
+    group) makes the loss global over the ranks' shards (a memory-bounded ring instead of OpenCLIP's
+    neighbour exchange); the value per rank follows OpenCLIP's convention. OpenCLIP's exchange
+    variants (``dist_impl``, ``bidir``) all compute this same loss; ``use_horovod=True`` is refused.
     """
 
-    def __init__(self, *, group=None, backend="auto") -> None:
+    def __init__(
+        self,
+        cache_labels: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        dist_impl: Optional[str] = None,
+        bidir: bool = True,
+        use_horovod: bool = False,
+        *,
+        group=None,
+        backend: BackendArg = "auto",
+    ) -> None:
         super().__init__()
-        self.group = group
+        if dist_impl not in _SIGLIP_DIST_IMPLS:
+            raise ValueError(f"dist_impl must be one of {_SIGLIP_DIST_IMPLS}, got {dist_impl!r}")
+        self.cache_labels, self.rank, self.world_size, self.dist_impl, self.bidir = cache_labels, rank, world_size, dist_impl, bidir
+        self.group = openclip_group(group, rank, world_size, use_horovod)
         self.backend = backend
 
     def forward(

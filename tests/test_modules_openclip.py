@@ -1,0 +1,89 @@
+"""ClipLoss / SigLipLoss take OpenCLIP's constructor arguments: the same losses and gradients
+as the functional API with the matching group, in one process and over a real 2-process gloo group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bigbatch
+
+from distributed_harness import run_gloo
+
+
+def _feats(b, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, d, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("kw", [{}, {"local_loss": True, "gather_with_grad": True, "cache_labels": True},
+                                {"rank": 0, "world_size": 1}])
+def test_clip_constructor_arguments_one_process(kw):
+    q, k = _feats(9, 5, 1).requires_grad_(), _feats(9, 5, 2)
+    loss = bigbatch.ClipLoss(**kw, backend="torch")(q, k, 3.0)
+    loss.backward()
+    ref_q = q.detach().clone().requires_grad_()
+    ref = bigbatch.clip_loss(ref_q, k, 3.0, backend="reference")
+    ref.backward()
+    assert torch.allclose(loss, ref, rtol=1e-10) and torch.allclose(q.grad, ref_q.grad, rtol=1e-10)
+
+
+@pytest.mark.parametrize("impl", [None, "bidir", "shift", "reduce", "gather"])
+def test_siglip_constructor_arguments_one_process(impl):
+    q, k = _feats(6, 4, 3), _feats(6, 4, 4)
+    got = bigbatch.SigLipLoss(cache_labels=True, rank=0, world_size=1, dist_impl=impl, bidir=False)(q, k, 2.0, -1.0)
+    assert torch.allclose(got, bigbatch.siglip_loss(q, k, 2.0, -1.0, backend="reference"), rtol=1e-10)
+
+
+@pytest.mark.parametrize("cls,kw,needle", [
+    (bigbatch.ClipLoss, {"use_horovod": True}, "use_horovod"),
+    (bigbatch.SigLipLoss, {"use_horovod": True}, "use_horovod"),
+    (bigbatch.ClipLoss, {"world_size": 2}, "init_process_group"),
+    (bigbatch.ClipLoss, {"rank": 1}, "rank must be in"),
+    (bigbatch.ClipLoss, {"rank": -1}, "rank must be a non-negative int"),
+    (bigbatch.SigLipLoss, {"world_size": 0}, "world_size"),
+    (bigbatch.SigLipLoss, {"dist_impl": "ring"}, "dist_impl must be one of"),
+])
+def test_bad_constructor_arguments_are_named(cls, kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        cls(**kw)
+
+
+def _two_ranks(rank, world):
+    import torch.distributed as dist
+
+    q, k = _feats(10, 5, 5), _feats(10, 5, 6)
+    sl = slice(rank * 5, rank * 5 + 5)
+    out = {}
+    for name, make in (("openclip_args", lambda: bigbatch.ClipLoss(True, True, rank=rank, world_size=world)),
+                       ("group", lambda: bigbatch.ClipLoss(group=dist.group.WORLD))):
+        ql = q[sl].clone().requires_grad_()
+        loss = make()(ql, k[sl], 3.0)
+        loss.backward()
+        out[name] = (loss.detach(), ql.grad)
+    for name, make in (("sig_openclip_args", lambda: bigbatch.SigLipLoss(rank=rank, world_size=world, dist_impl="bidir")),
+                       ("sig_group", lambda: bigbatch.SigLipLoss(group=dist.group.WORLD))):
+        ql = q[sl].clone().requires_grad_()
+        loss = make()(ql, k[sl], 2.0, -1.0)
+        loss.backward()
+        out[name] = (loss.detach(), ql.grad)
+    try:
+        bigbatch.ClipLoss(rank=1 - rank, world_size=world)
+        out["mismatch"] = None
+    except ValueError as exc:
+        out["mismatch"] = str(exc)
+    return out
+
+
+def test_rank_and_world_size_mean_the_default_group():
+    res = run_gloo(_two_ranks, 2)
+    q, k = _feats(10, 5, 5).requires_grad_(), _feats(10, 5, 6)
+    ref = bigbatch.clip_loss(q, k, 3.0, backend="reference")
+    ref.backward()
+    for rank, out in enumerate(res):
+        for a, b in (("openclip_args", "group"), ("sig_openclip_args", "sig_group")):
+            assert torch.equal(out[a][0], out[b][0]) and torch.equal(out[a][1], out[b][1])
+        # DDP averages over ranks: the averaged gradient of this rank's rows is the global one
+        assert torch.allclose(out["openclip_args"][1], q.grad[rank * 5:rank * 5 + 5] * 2, rtol=1e-9)
+        assert "do not match the process group" in out["mismatch"]
+    assert torch.allclose(sum(o["openclip_args"][0] for o in res) / 2, ref.detach(), rtol=1e-10)
