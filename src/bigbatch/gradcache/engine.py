@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from .accumulate import GradAccumulation
-from .buffers import buffers_restored
+from .buffers import BufferStates, buffers_restored
 from .chunking import call_model, model_device, staged, tensor_leaves
 from .rng import RngState, cuda_devices_of
 from .wrappers import is_ddp, sync_context
@@ -44,6 +44,7 @@ class Unit:
     keep: bool = False
     rng: Optional[RngState] = None
     kept_rep: Optional[Tensor] = None
+    buffers: Optional[Tuple[BufferStates, Dict[int, Tensor]]] = None  # the buffers its pass-1 forward saw
 
 
 @dataclass
@@ -89,6 +90,13 @@ def compact(rep: Tensor) -> Tensor:
     return rep
 
 
+def _distinct(models: Sequence[nn.Module]) -> List[nn.Module]:
+    out: Dict[int, nn.Module] = {}
+    for m in models:
+        out.setdefault(id(m), m)
+    return list(out.values())
+
+
 def finalize_plan(units: Sequence[Unit], ddp_sync: str) -> None:
     """Apply the DDP rules above to the ``keep`` flags (in place)."""
     by_model: Dict[int, List[Unit]] = {}
@@ -107,6 +115,7 @@ def finalize_plan(units: Sequence[Unit], ddp_sync: str) -> None:
 def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Tensor]:
     """Pass 1. Returns one detached (B_i, ...) representation tensor per input, on the model's device."""
     per_input: List[List[Tensor]] = [[] for _ in range(n_inputs)]
+    states = BufferStates(_distinct([u.model for u in units]))
     for i in range(n_inputs):
         mine = [u for u in units if u.input_index == i]
         if not mine:
@@ -119,6 +128,7 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
         # for the pass) instead of re-casting every weight per chunk.
         with amp():
             for u, chunk in zip(mine, staged([u.chunk for u in mine], device, opts.offload_inputs)):
+                record = states.before()
                 if u.keep:
                     with sync_context(u.model, sync=False)(), torch.enable_grad():
                         rep = _rep(opts, u.model, chunk, u.rows)
@@ -126,8 +136,10 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
                     rep = compact(rep)
                 else:
                     u.rng = RngState(cuda_devices_of(tensor_leaves(chunk) + [p for p in params if p is not None]))
+                    u.buffers = (states, record)
                     with torch.no_grad():
                         rep = compact(_rep(opts, u.model, chunk, u.rows))
+                states.after()
                 per_input[i].append(rep.to("cpu", non_blocking=False) if opts.offload_reps else rep)
     out = []
     for i, reps in enumerate(per_input):
@@ -180,22 +192,32 @@ def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: Eng
     """Pass 2. ``grads[i]`` is d(loss)/d(representation of input i), (B_i, ...), or ``None`` (no gradient)."""
     slices = grad_slices(units, grads, opts)
     backprop_kept(units, slices)
-    for rerun in rerun_groups(units, slices):
-        model = units[rerun[0]].model
-        device = model_device(model)
-        amp = _autocast(device, opts.autocast_dtype)
-        no_amp = _no_autocast(device, opts.autocast_dtype)
-        acc = GradAccumulation(model)
-        # As in pass 1, one autocast context (one weight cast) for every re-run chunk of the model;
-        # each chunk's backward runs with autocast off, as it would outside the context. Buffers
-        # the re-run forwards update (BatchNorm statistics) are put back: pass 1 updated them.
-        with amp(), buffers_restored([model]):
-            for n, (k, chunk) in enumerate(zip(rerun, staged([units[k].chunk for k in rerun], device, opts.offload_inputs))):
-                u = units[k]
-                sync = n == len(rerun) - 1 or opts.ddp_sync == "every_chunk"
-                with sync_context(u.model, sync=sync)():
-                    with torch.enable_grad(), u.rng.replay():
-                        rep = _rep(opts, u.model, chunk, u.rows)
-                    with no_amp(), acc.chunk():
-                        torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype))
-                del rep
+    # Buffers: each re-run starts from what its pass-1 forward saw (BufferStates); afterwards all
+    # are put back as pass 1 left them (BatchNorm statistics are not updated a second time).
+    with buffers_restored(_distinct([u.model for u in units])):
+        for rerun in rerun_groups(units, slices):
+            _rerun_model(units, rerun, slices, opts)
+
+
+def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tensor], opts: EngineOptions) -> None:
+    """Re-run and back-propagate the chunks ``rerun`` (indices into ``units``) of one model."""
+    model = units[rerun[0]].model
+    device = model_device(model)
+    amp = _autocast(device, opts.autocast_dtype)
+    no_amp = _no_autocast(device, opts.autocast_dtype)
+    acc = GradAccumulation(model)
+    # As in pass 1, one autocast context (one weight cast) for every re-run chunk of the model;
+    # each chunk's backward runs with autocast off, as it would outside the context.
+    with amp():
+        for n, (k, chunk) in enumerate(zip(rerun, staged([units[k].chunk for k in rerun], device, opts.offload_inputs))):
+            u = units[k]
+            sync = n == len(rerun) - 1 or opts.ddp_sync == "every_chunk"
+            with sync_context(u.model, sync=sync)():
+                if u.buffers is not None:
+                    states, record = u.buffers
+                    states.restore(record)
+                with torch.enable_grad(), u.rng.replay():
+                    rep = _rep(opts, u.model, chunk, u.rows)
+                with no_amp(), acc.chunk():
+                    torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype))
+            del rep

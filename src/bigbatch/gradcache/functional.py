@@ -28,7 +28,8 @@ the closure re-runs the sub-batch under the CPU and CUDA random states (and Pyth
 captured at the first call, so dropout masks and precision match on a GPU and under AMP and the
 update equals the full accumulated batch's exactly; the caller's random stream continues as if the
 closure had not run. Buffers of modules passed to the function (BatchNorm statistics) are
-updated by the first call only, not again by the closure. Call signatures are the public package's. Under DDP, wrap all closures but the last in
+updated by the first call only, not again by the closure, and the re-run reads them as the first
+call did (``nn.utils.spectral_norm``'s vectors). Call signatures are the public package's. Under DDP, wrap all closures but the last in
 ``model.no_sync()`` to all-reduce once.
 """
 
@@ -40,7 +41,7 @@ from typing import Any, Callable, List, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .buffers import buffers_restored
+from .buffers import BufferStates, buffers_restored
 from .chunking import tensor_leaves
 from .engine import compact
 from .rng import RngState, cuda_devices_of
@@ -86,8 +87,14 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
     def cache_func(*args: Any, **kwargs: Any):
         rng = RngState(_cuda_devices(args, kwargs))
         amp = _autocast_state()
+        # modules passed to func: the re-run starts from the buffers this call saw, and leaves them
+        # as this call left them (BatchNorm statistics updated once)
+        modules = [a for a in list(args) + list(kwargs.values()) if isinstance(a, nn.Module)]
+        states = BufferStates(modules)
+        states.before()
         with torch.no_grad():
             out = func(*args, **kwargs)
+        states.after()
         first = _as_tuple(out, func.__name__)
         # compact: a view such as out[:, 0] would keep the sub-batch's whole output alive
         leaves = tuple(compact(t).requires_grad_(t.is_floating_point()) for t in first)
@@ -95,6 +102,9 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
 
         def forward_backward(cache_reps: Reps) -> None:
             reps_in = _as_tuple(cache_reps, "the closure's argument")
+            if len(reps_in) != len(leaves):
+                raise ValueError(f"the closure of {func.__name__} got {len(reps_in)} representation(s); pass all "
+                                 f"{len(leaves)} that the decorated call returned (a tensor or a tuple, in order)")
             if spent[0]:
                 raise RuntimeError(f"the closure of {func.__name__} ran twice: its sub-batch is already back-propagated")
             grads = [r.grad for r in reps_in]
@@ -103,9 +113,8 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
                     f"the representations passed to the closure of {func.__name__} have no .grad: call it after "
                     "the loss's backward, with the tensors the decorated call returned"
                 )
-            # modules passed to func: the re-run must not update their buffers a second time
-            modules = [a for a in list(args) + list(kwargs.values()) if isinstance(a, nn.Module)]
             with buffers_restored(modules):
+                states.restore({})
                 with torch.enable_grad(), rng.replay(), _AutocastReplay(amp):
                     again = _as_tuple(func(*args, **kwargs), func.__name__)
                 pairs = [(t, g) for t, g in zip(again, grads) if g is not None and t.requires_grad]
