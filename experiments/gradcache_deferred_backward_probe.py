@@ -33,7 +33,7 @@ from gradcache_fused_ab import full_step, interleaved, record
 def backprop_deferred(units, grads, opts):
     """engine.backprop with each re-run chunk's backward issued inside the next chunk's forward."""
     slices = engine.grad_slices(units, grads, opts)
-    engine.backprop_kept(units, slices)
+    engine.backprop_kept(units, slices, opts)
     for rerun in engine.rerun_groups(units, slices):
         model = units[rerun[0]].model
         device = model_device(model)

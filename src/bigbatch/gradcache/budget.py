@@ -121,7 +121,7 @@ def planning_budget(budget: int, fraction: float, cached: float, in_use: int = 0
 
 
 def _signature(model: nn.Module, x: Any, autocast: Optional[torch.dtype]) -> Tuple:
-    leaves = tuple((tuple(t.shape[1:]), t.dtype) for t in tensor_leaves(x))
+    leaves = tuple((tuple(t.shape[1:]), t.dtype, t.requires_grad) for t in tensor_leaves(x))
     return (id(model), leaves, autocast)
 
 
@@ -130,8 +130,10 @@ def _rep_bytes(rep: Tensor) -> float:
 
 
 def _measure(model, x, get_rep, autocast_ctx, params, device) -> Tuple[float, float, float]:
-    """(peak, act, representation) bytes of one forward + backward of chunk ``x``; for a frozen
-    model (``params`` empty) of its forward alone, without a graph (nothing is held: ``act`` = 0)."""
+    """(peak, act, representation) bytes of one forward + backward of chunk ``x`` (gradients for
+    ``params`` and the chunk's tensors that require grad); with neither (a frozen model fed plain
+    inputs) of its forward alone, without a graph (nothing is held: ``act`` = 0)."""
+    params = list(params) + [t for t in tensor_leaves(x) if t.requires_grad]
     train = bool(params)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

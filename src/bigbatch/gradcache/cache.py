@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from .budget import ChunkProber, MemoryArg, allocated_now, parse_memory, planning_budget
 from .chunking import batch_size, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, backprop, encode, finalize_plan
+from .inputs import backward_into_originals, inputs_require_grad, with_boundaries
 from .wrappers import DDP_SYNC_MODES, check_not_fsdp, is_ddp
 
 _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
@@ -230,6 +231,13 @@ class GradCache:
             raise ValueError("GradCache needs at least one input")
         ddp_sync = self.ddp_sync if no_sync_except_last is None else ("last_chunk" if no_sync_except_last else "every_chunk")
         models = self._models_for(len(inputs))
+        # A model is re-run if a parameter or an input tensor of it requires grad; a frozen one
+        # (no parameter requires grad, e.g. a locked tower as in LiT) fed plain inputs is encoded
+        # once without a graph, its representations get no gradient and it is never re-run.
+        trainable = [any(p.requires_grad for p in m.parameters()) or inputs_require_grad(x) for m, x in zip(models, inputs)]
+        bounded = [with_boundaries(x, leaves_too=False) for x in inputs]
+        inputs = tuple(x for x, _ in bounded)
+        boundaries = [pair for _, pairs in bounded for pair in pairs]
         if self.offload_inputs:
             inputs = tuple(pin(x) for x in inputs)
         sizes, costs, usable = self._sizes(models, inputs)
@@ -237,9 +245,6 @@ class GradCache:
         for i, (m, x, c) in enumerate(zip(models, inputs, sizes)):
             for chunk in split_chunks(x, c, split_input_fn=self.split_input_fn, from_budget=self.chunk_sizes is None):
                 units.append(Unit(i, m, chunk, batch_size(chunk, f"a chunk of inputs[{i}]")))
-        # A frozen encoder (no parameter requires grad, e.g. a locked tower as in LiT) is encoded
-        # once without a graph; its representations get no gradient and it is never re-run.
-        trainable = [any(p.requires_grad for p in m.parameters()) for m in models]
         self._plan_keep(units, costs, usable, trainable)
         finalize_plan(units, ddp_sync)
         self.last_chunk_sizes, self.last_kept = sizes, sum(u.keep for u in units)
@@ -260,6 +265,7 @@ class GradCache:
                                  "a trainable encoder, and the loss has no parameter that requires grad")
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             backprop(units, [leaf.grad for leaf in leaves], opts)
+            backward_into_originals(boundaries)
         finally:
             for u in units:  # never leave a kept graph alive after an error
                 u.kept_rep = None

@@ -12,6 +12,7 @@ forward + backward; work: one extra forward per chunk.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -21,6 +22,7 @@ from .budget import ChunkProber, MemoryArg, allocated_now, parse_memory, plannin
 from .cache import _BUDGET_FRACTION, _identity, check_options, default_budget
 from .chunking import batch_size, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, _autocast, backprop, encode, finalize_plan
+from .inputs import Pairs, inputs_require_grad, with_boundaries
 from .wrappers import check_not_fsdp, is_ddp
 
 _PROBER = ChunkProber()
@@ -28,12 +30,18 @@ _PROBER = ChunkProber()
 
 class _CachedEncode(torch.autograd.Function):
     """Forward: pass 1 (no graph). Backward: pass 2, parameter gradients accumulated into ``.grad``.
-    ``anchor`` is an empty tensor that requires grad, so the output is part of the caller's graph."""
+
+    Inputs: ``anchor`` (an empty tensor that requires grad, so the output is always part of the
+    caller's graph), then the input tensors that require grad (their gradients are returned, from
+    the boundaries the chunks were cut from), then the encoder's trainable parameters (returned
+    ``None``: their gradients go to ``.grad`` directly; listed so that ``backward(inputs=...)``
+    reaches this node and can restrict which of them are accumulated)."""
 
     @staticmethod
-    def forward(ctx, anchor: Tensor, units: List[Unit], opts: EngineOptions) -> Tensor:  # type: ignore[override]
+    def forward(ctx, anchor: Tensor, units: List[Unit], opts: EngineOptions, pairs: Pairs, *tensors: Tensor) -> Tensor:  # type: ignore[override]
         rep = encode(units, opts, 1)[0]
-        ctx.units, ctx.opts = units, opts
+        ctx.units, ctx.opts, ctx.boundaries = units, opts, [b for _, b in pairs]
+        ctx.params = list(tensors[len(pairs):])
         return rep
 
     @staticmethod
@@ -42,9 +50,36 @@ class _CachedEncode(torch.autograd.Function):
         ctx.units = None  # a second backward through this node is an error (its graphs are spent)
         if units is None:
             raise RuntimeError("cached_encode: backward ran twice through the same representations")
+        targets = _targets(ctx.params)
+        if targets is not None:
+            opts = replace(opts, grad_targets=targets + ctx.boundaries)
         with torch.enable_grad():
             backprop(units, [grad], opts)
-        return None, None, None
+        in_grads = []
+        for b in ctx.boundaries:
+            in_grads.append(b.grad)
+            b.grad = None
+        return (None, None, None, None, *in_grads, *([None] * len(ctx.params)))
+
+
+def _targets(params: List[Tensor]) -> Optional[List[Tensor]]:
+    """The parameters this backward accumulates into: ``None`` for all of them (a plain
+    ``.backward()``), else those that ``backward(inputs=...)`` asked for. Under
+    ``torch.autograd.grad`` (which returns gradients instead of accumulating them) a trainable
+    encoder is an error: its gradients can only go to ``.grad``."""
+    try:
+        will = [torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node) for p in params]
+    except RuntimeError as exc:
+        if "autograd.grad" not in str(exc):
+            raise
+        raise RuntimeError(
+            "cached_encode: torch.autograd.grad cannot return the encoder's parameter gradients (they are "
+            "accumulated into .grad chunk by chunk); call loss.backward() instead (backward(inputs=[...]) may "
+            "restrict it). autograd.grad w.r.t. the inputs works when no encoder parameter requires grad."
+        ) from None
+    except AttributeError:  # a torch without these hooks: accumulate into all
+        return None
+    return None if all(will) else [p for p, w in zip(params, will) if w]
 
 
 def cached_encode(
@@ -91,22 +126,25 @@ def cached_encode(
     if offload_inputs:
         inputs = pin(inputs)
     b = batch_size(inputs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    needs_grad = torch.is_grad_enabled() and (bool(params) or inputs_require_grad(inputs))
+    # inputs that require grad: chunks are cut from boundaries whose gradients the node returns
+    bounded, pairs = with_boundaries(inputs, leaves_too=True) if needs_grad else (inputs, [])
     budget = parse_memory(memory_budget)
     sized_from_budget = chunk_size is None
     if sized_from_budget:
         budget = budget or default_budget(device)
         module = model.module if is_ddp(model) else model
-        cost = _PROBER.cost(module, inputs, get_rep, _autocast(device, autocast_dtype), autocast_dtype)
+        cost = _PROBER.cost(module, bounded, get_rep, _autocast(device, autocast_dtype), autocast_dtype)
         cached = 0.0 if offload_reps else cost.cached(b)
         chunk_size = cost.largest_chunk(planning_budget(budget, _BUDGET_FRACTION, cached, allocated_now([device])), b)
-    chunks = split_chunks(inputs, chunk_size, split_input_fn=split_input_fn, from_budget=sized_from_budget)
+    chunks = split_chunks(bounded, chunk_size, split_input_fn=split_input_fn, from_budget=sized_from_budget)
     units = [Unit(0, model, c, batch_size(c, "a chunk of inputs")) for c in chunks]
     opts = EngineOptions(get_rep, autocast_dtype, offload_inputs, offload_reps, ddp_sync)
-    needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
     if not needs_grad:
         with torch.no_grad():
             return encode(units, opts, 1)[0]
     units[-1].keep = keep_last_graph
     finalize_plan(units, ddp_sync)
     anchor = torch.empty(0, device=device, requires_grad=True)
-    return _CachedEncode.apply(anchor, units, opts)
+    return _CachedEncode.apply(anchor, units, opts, pairs, *[o for o, _ in pairs], *params)

@@ -54,6 +54,8 @@ class EngineOptions:
     offload_inputs: bool = False
     offload_reps: bool = False
     ddp_sync: str = "last_chunk"
+    # tensors each chunk's backward accumulates into (backward's ``inputs=``); None: every leaf
+    grad_targets: Optional[List[Tensor]] = None
 
 
 def _autocast(device: torch.device, dtype: Optional[torch.dtype]) -> Callable[[], Any]:
@@ -166,7 +168,7 @@ def grad_slices(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: 
     return slices
 
 
-def backprop_kept(units: Sequence[Unit], slices: Dict[int, Tensor]) -> None:
+def backprop_kept(units: Sequence[Unit], slices: Dict[int, Tensor], opts: EngineOptions) -> None:
     """Back-propagate (and free) every kept graph. Runs before any chunk is re-run, so kept
     activations never coexist with a re-run chunk's forward + backward."""
     for k, u in enumerate(units):
@@ -175,7 +177,7 @@ def backprop_kept(units: Sequence[Unit], slices: Dict[int, Tensor]) -> None:
         rep, u.kept_rep = u.kept_rep, None
         if k in slices:
             with sync_context(u.model, sync=False)(), GradAccumulation(u.model).chunk():
-                torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype))
+                torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype), inputs=opts.grad_targets)
         del rep
 
 
@@ -191,7 +193,7 @@ def rerun_groups(units: Sequence[Unit], slices: Dict[int, Tensor]) -> List[List[
 def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: EngineOptions) -> None:
     """Pass 2. ``grads[i]`` is d(loss)/d(representation of input i), (B_i, ...), or ``None`` (no gradient)."""
     slices = grad_slices(units, grads, opts)
-    backprop_kept(units, slices)
+    backprop_kept(units, slices, opts)
     # Buffers: each re-run starts from what its pass-1 forward saw (BufferStates); afterwards all
     # are put back as pass 1 left them (BatchNorm statistics are not updated a second time).
     with buffers_restored(_distinct([u.model for u in units])):
@@ -219,5 +221,5 @@ def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tens
                 with torch.enable_grad(), u.rng.replay():
                     rep = _rep(opts, u.model, chunk, u.rows)
                 with no_amp(), acc.chunk():
-                    torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype))
+                    torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype), inputs=opts.grad_targets)
             del rep
