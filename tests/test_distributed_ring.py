@@ -252,6 +252,17 @@ def _errors(rank, world):
     # gradients wanted on one rank only: its backward would wait forever for the others
     x = f(3, 4).requires_grad_(rank == 0)
     _expect_error(lambda: bigbatch.clip_loss(x, f(3, 4), 1.0, group=group, backend="torch"), "needs_backward")
+    # the sigmoid ring too (its gradient ring sends more messages than the loss-only one; before: a hang)
+    x = f(3, 4).requires_grad_(rank == 0)
+    _expect_error(lambda: bigbatch.siglip_loss(x, f(3, 4), 1.0, -1.0, group=group, backend="torch"), "needs_grad")
+    s = torch.tensor(1.0, dtype=torch.float64, requires_grad=rank == 1)
+    _expect_error(lambda: bigbatch.siglip_loss(f(3, 4), f(3, 4), s, -1.0, group=group, backend="torch"), "needs_grad")
+    # an int scale beyond float range on one rank: a ValueError there, shared with the others
+    for loss in ("clip", "siglip"):
+        big = 10**400 if rank == 0 else 1.0
+        call = (lambda: bigbatch.clip_loss(f(3, 4), f(3, 4), big, group=group, backend="torch")) if loss == "clip" \
+            else (lambda: bigbatch.siglip_loss(f(3, 4), f(3, 4), big, 0.0, group=group, backend="torch"))
+        _expect_error(call, "scale")
     # after all those errors the group still works
     out = bigbatch.clip_loss(f(3, 4), f(3, 4), 1.0, group=group, backend="torch")
     assert torch.isfinite(out)

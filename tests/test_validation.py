@@ -29,6 +29,7 @@ CLIP_CASES = [
     (ok(), ok(), torch.ones(3), {}, ValueError, "scale must be a scalar"),
     (ok(), ok(), torch.tensor(2), {}, TypeError, "scale must be a floating tensor"),
     (ok(), ok(), float("inf"), {}, ValueError, "scale must be finite"),
+    (ok(), ok(), 10**400, {}, ValueError, "scale must be finite in float64"),
     (ok(), ok(), True, {}, TypeError, "scale must be a float"),
     (ok(), ok(), 1.0, {"backend": "cuda-magic"}, ValueError, "backend must be one of"),
     (ok(), ok(), 1.0, {"backend": 3}, TypeError, "backend must be one of"),

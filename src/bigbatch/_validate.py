@@ -62,7 +62,11 @@ def prepare_scalar(name: str, value: object, like: Tensor) -> Tensor:
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, Tensor)):
         raise TypeError(f"{name} must be a float or a 0-d floating tensor, got {type(value).__name__}")
     if isinstance(value, numbers.Real):
-        if not math.isfinite(float(value)):
+        try:
+            as_float = float(value)
+        except OverflowError:  # an int beyond float range
+            raise ValueError(f"{name} must be finite in float64, got an int of {int(value).bit_length()} bits") from None
+        if not math.isfinite(as_float):
             raise ValueError(f"{name} must be finite, got {value!r}")
         return torch.tensor(float(value), dtype=ct, device=like.device)
     if value.numel() != 1 or value.dim() > 1:

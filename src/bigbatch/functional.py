@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from . import reference
+from ._amp import autocast_off
 from ._validate import (
     ScaleArg,
     check_group,
@@ -33,7 +34,7 @@ def _check_inputs(q_name, q, k_name, k, scale, backend, *, same_rows, group, kin
         check_pair(q_name, q, k_name, k, same_rows=same_rows)
         check_reduction(reduction)
         return prepare_scalar("scale", scale, q), resolve_backend(backend, q.device, q.dtype)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # any local failure is shared below, so no rank is left waiting
         if group is None:
             raise
         from .distributed import raise_on_every_rank
@@ -41,6 +42,7 @@ def _check_inputs(q_name, q, k_name, k, scale, backend, *, same_rows, group, kin
         raise_on_every_rank(group, kind, exc)
 
 
+@autocast_off
 def clip_loss(
     image_features: Tensor,
     text_features: Tensor,
@@ -80,6 +82,7 @@ def clip_loss(
     return 0.5 * (lse_row.mean() + lse_col.mean()) - pos.mean()
 
 
+@autocast_off
 def infonce_loss(
     queries: Tensor,
     keys: Tensor,
@@ -127,6 +130,7 @@ def infonce_loss(
     return reduce(lse_row - pos, reduction)
 
 
+@autocast_off
 def siglip_loss(
     image_features: Tensor,
     text_features: Tensor,

@@ -17,6 +17,7 @@ from torch import Tensor
 from .backends import resolve_backend
 from .backends.base import SigmoidBackend, compute_dtype
 from ._validate import check_int_vector
+from ._amp import autocast_off
 
 SigmoidBackendArg = Union[str, SigmoidBackend]
 
@@ -46,6 +47,7 @@ class SigmoidLoss(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @autocast_off
     def backward(ctx, grad: Tensor):
         dq, dk, d_scale, d_bias = ctx.saved_tensors
         g = grad.to(dq.dtype)

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from .backends.base import TileBackend, compute_dtype
 from .backends.torch_tiles import blocks
+from ._amp import autocast_off
 
 # Rows per chunk of the positive-logit dot products: bounds the fp32 temporaries to
 # 2 * _POS_CHUNK * D elements whatever B is.
@@ -51,6 +52,7 @@ class TiledSoftmaxStats(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @autocast_off
     def backward(ctx, g_row: Tensor, g_col: Tensor, g_pos: Tensor):
         q, k, scale, labels, lse_row, lse_col = ctx.saved_tensors
         dq, dk, d_scale = ctx.backend.lse_grad(

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .ring import Ring
+from .._amp import autocast_off
 
 
 class _GatherWithGrad(torch.autograd.Function):
@@ -37,6 +38,7 @@ class _GatherWithGrad(torch.autograd.Function):
         return torch.cat([p[:n] for p, n in zip(parts, sizes)])
 
     @staticmethod
+    @autocast_off
     def backward(ctx, grad: Tensor):
         ring, sizes = ctx.ring, ctx.sizes
         grad = grad.contiguous()

@@ -43,7 +43,7 @@ def _local_label_error(labels: Optional[Tensor], b: int, n: int, device: torch.d
         return None, 0.0, 0.0
     try:
         check_int_vector(labels, b, device, name="labels", meaning="one positive key per query", what="global key indices")
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # any local failure is shared below, so no rank is left waiting
         return str(exc), 0.0, 0.0
     lo, hi = torch.aminmax(labels)
     return None, float(lo), float(hi)

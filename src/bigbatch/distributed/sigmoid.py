@@ -50,6 +50,7 @@ from .._validate import check_pair, prepare_scalar
 from ..backends.base import SigmoidBackend, compute_dtype
 from ..sigmoid_loss import check_class_ids, resolve_sigmoid_backend
 from .ring import Ring, agree, dtype_code
+from .._amp import autocast_off
 
 # The memory rule. W = the workspace the backend uses on one GPU for a b x b problem
 # (``backend.workspace_for``; TritonSigmoid: its G tile, 512 MiB on a GPU for b >= 16384;
@@ -286,6 +287,7 @@ class _RingSigmoid(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @autocast_off
     def backward(ctx, grad):
         q, k, scale, bias, dq, dk, d_scale, d_bias = ctx.saved_tensors
         g = grad.to(dq.dtype)
@@ -341,13 +343,16 @@ def ring_siglip_loss(
         bad_chunk = not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1
         if chunk_rows is not None and bad_chunk:
             raise ValueError(f"chunk_rows must be None or a positive int, got {chunk_rows!r}")
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # any local failure is shared below, so no rank is left waiting
         error = f"{type(exc).__name__}: {exc}"
     ok = error is None
+    # the gradient ring sends more messages than the loss-only one: every rank must run the same
+    needs_grad = ok and torch.is_grad_enabled() and any(t.requires_grad for t in (image_features, text_features, s, b))
     table = agree(
         ring,
         device,
         {
+            "needs_grad": float(needs_grad),
             "rows": image_features.shape[0] if ok else 0,
             "dim": image_features.shape[1] if ok else 0,
             "dtype": dtype_code(image_features.dtype) if ok else 0,
@@ -356,13 +361,12 @@ def ring_siglip_loss(
             "bias": float(b.detach()) if ok else 0.0,
             "chunk_rows": float(chunk_rows or 0) if ok else 0.0,
         },
-        same=("dim", "dtype", "labels", "scale", "bias", "chunk_rows"),
+        same=("needs_grad", "dim", "dtype", "labels", "scale", "bias", "chunk_rows"),
         local_error=error,
         what="siglip_loss",
     )
     sizes = [int(v) for v in table["rows"]]
     norm = ring.world / sum(sizes)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (image_features, text_features, s, b))
     plan, impl = _plan_and_backend(impl, sizes, image_features, ids, needs_grad, chunk_rows)
     if needs_grad:
         return _RingSigmoid.apply(image_features, text_features, s, b, ids, ring, sizes, impl, plan, norm)

@@ -48,6 +48,7 @@ from torch import Tensor
 from ..backends.torch_tiles import blocks
 from ..backends.base import TileBackend, compute_dtype
 from .ring import Ring
+from .._amp import autocast_off
 
 # fp32 bytes of one backward chunk's dq or dk output (the backend allocates them per call).
 _GRAD_CHUNK_BYTES = 32 << 20
@@ -137,6 +138,7 @@ class RingSoftmax(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @autocast_off
     def backward(ctx, g_row: Tensor, g_col: Tensor, g_pos: Tensor):
         q, k, scale, lse_row, lse_col = ctx.saved_tensors
         plan: RingPlan = ctx.plan
