@@ -21,6 +21,7 @@ copy of the model's buffers (restored afterwards), so it changes nothing the ste
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
@@ -45,6 +46,8 @@ def parse_memory(value: MemoryArg, name: str = "memory_budget") -> Optional[int]
     if isinstance(value, bool):
         raise TypeError(f"{name} must be bytes (int) or a string like '16GiB', got bool")
     if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number of bytes, got {value!r}")
         out = int(value)
     elif isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)

@@ -17,13 +17,14 @@ gradients per input, plus what the loss needs. Work: one extra forward per re-ru
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
 from .budget import ChunkProber, MemoryArg, allocated_now, parse_memory, planning_budget
-from .chunking import batch_size, model_device, pin, split_chunks
+from .chunking import batch_size, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, backprop, encode, finalize_plan
 from .inputs import backward_into_originals, inputs_require_grad, with_boundaries
 from .wrappers import DDP_SYNC_MODES, check_not_fsdp, is_ddp
@@ -47,6 +48,19 @@ def check_options(autocast_dtype, scaler, ddp_sync) -> None:
         raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
     if ddp_sync not in DDP_SYNC_MODES:
         raise ValueError(f"ddp_sync must be one of {DDP_SYNC_MODES}, got {ddp_sync!r}")
+
+
+def check_chunk_sizes(chunk_sizes: Any) -> List[int]:
+    """One positive int, or a list/tuple of them (numpy and other integral types accepted)."""
+    def positive_int(c: Any) -> bool:
+        return isinstance(c, numbers.Integral) and not isinstance(c, bool) and int(c) >= 1
+
+    if positive_int(chunk_sizes):
+        return [int(chunk_sizes)]
+    if isinstance(chunk_sizes, (list, tuple)) and chunk_sizes and all(positive_int(c) for c in chunk_sizes):
+        return [int(c) for c in chunk_sizes]
+    raise ValueError(f"chunk_sizes must be a positive int or a non-empty list of positive ints (one per input), "
+                     f"got {chunk_sizes!r}")
 
 
 def default_budget(device: torch.device) -> int:
@@ -128,6 +142,8 @@ class GradCache:
             if scaler is None:
                 raise ValueError("fp16=True needs scaler=torch.amp.GradScaler() (fp16 gradients underflow without one)")
             autocast_dtype = torch.float16
+        if not isinstance(models, (nn.Module, list, tuple)):
+            raise TypeError(f"models must be an nn.Module or a non-empty list of nn.Modules, got {type(models).__name__}")
         self.models: List[nn.Module] = [models] if isinstance(models, nn.Module) else list(models)
         if not self.models or not all(isinstance(m, nn.Module) for m in self.models):
             raise TypeError("models must be an nn.Module or a non-empty list of nn.Modules")
@@ -137,11 +153,7 @@ class GradCache:
             raise TypeError("loss_fn must be a callable (*reps, **loss_kwargs) -> scalar tensor")
         check_options(autocast_dtype, scaler, ddp_sync)
         if chunk_sizes is not None:
-            sizes = [chunk_sizes] if isinstance(chunk_sizes, int) else list(chunk_sizes)
-            for c in sizes:
-                if not isinstance(c, int) or isinstance(c, bool) or c < 1:
-                    raise ValueError(f"chunk_sizes must be positive ints, got {chunk_sizes!r}")
-            chunk_sizes = sizes
+            chunk_sizes = check_chunk_sizes(chunk_sizes)
         self.chunk_sizes: Optional[List[int]] = chunk_sizes
         self.loss_fn = loss_fn
         self.split_input_fn = split_input_fn
@@ -174,13 +186,15 @@ class GradCache:
     def _sizes(self, models: List[nn.Module], inputs: Sequence[Any]):
         """Per input: chunk size and cost model (``None`` without a budget); and the bytes chunks and
         kept graphs are planned against (``None`` without a budget)."""
-        batches = [batch_size(x, f"inputs[{i}]") for i, x in enumerate(inputs)]
         if self.chunk_sizes is not None:
             sizes = self.chunk_sizes * len(inputs) if len(self.chunk_sizes) == 1 else self.chunk_sizes
             if len(sizes) != len(inputs):
                 raise ValueError(f"chunk_sizes has {len(sizes)} entries for {len(inputs)} inputs")
             if self.memory_budget is None:
                 return list(sizes), [None] * len(inputs), None
+        # a budget is planned from the batch sizes (inputs of a custom type need chunk_sizes)
+        batches = [batch_size(x, f"inputs[{i}]") for i, x in enumerate(inputs)]
+        if self.chunk_sizes is not None:
             costs = [self._cost(m, x) for m, x in zip(models, inputs)]
             return list(sizes), costs, self._usable(self.memory_budget, models, costs, batches)
         budget = self.memory_budget or default_budget(model_device(models[0]))
@@ -229,6 +243,8 @@ class GradCache:
         """Run one cached step; see the class docstring."""
         if not inputs:
             raise ValueError("GradCache needs at least one input")
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError("GradCache runs a backward: it cannot run under torch.inference_mode()")
         ddp_sync = self.ddp_sync if no_sync_except_last is None else ("last_chunk" if no_sync_except_last else "every_chunk")
         models = self._models_for(len(inputs))
         # A model is re-run if a parameter or an input tensor of it requires grad; a frozen one
@@ -244,15 +260,18 @@ class GradCache:
         units: List[Unit] = []
         for i, (m, x, c) in enumerate(zip(models, inputs, sizes)):
             for chunk in split_chunks(x, c, split_input_fn=self.split_input_fn, from_budget=self.chunk_sizes is None):
-                units.append(Unit(i, m, chunk, batch_size(chunk, f"a chunk of inputs[{i}]")))
+                units.append(Unit(i, m, chunk, chunk_rows(chunk, self.split_input_fn is not None, f"a chunk of inputs[{i}]")))
         self._plan_keep(units, costs, usable, trainable)
         finalize_plan(units, ddp_sync)
         self.last_chunk_sizes, self.last_kept = sizes, sum(u.keep for u in units)
-        self.last_chunk_rows = [[u.rows for u in units if u.input_index == i] for i in range(len(inputs))]
-        self.last_kept_rows = [sum(u.rows for u in units if u.keep and u.input_index == i) for i in range(len(inputs))]
         opts = EngineOptions(self.get_rep_fn, self.autocast_dtype, self.offload_inputs, self.offload_reps, ddp_sync)
         try:
             reps = encode(units, opts, len(inputs))
+            self.last_chunk_rows = [[u.rows for u in units if u.input_index == i] for i in range(len(inputs))]
+            self.last_kept_rows = [sum(u.rows for u in units if u.keep and u.input_index == i) for i in range(len(inputs))]
+            for i, (r, t) in enumerate(zip(reps, trainable)):
+                if t and not r.is_floating_point():
+                    raise TypeError(f"get_rep_fn must return a floating tensor (input {i}'s representation is {r.dtype})")
             leaves = [r.detach().requires_grad_(t) for r, t in zip(reps, trainable)]
             device = leaves[0].device
             amp = torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast_dtype else _null()

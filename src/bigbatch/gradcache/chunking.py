@@ -128,9 +128,19 @@ def map_tensors(x: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     return x
 
 
+def chunk_rows(chunk: Any, custom: bool, name: str) -> Optional[int]:
+    """The rows of a chunk; ``None`` for a chunk of a custom type (``custom``: it came from a
+    ``split_input_fn`` and holds no batched tensor where :func:`tensor_leaves` looks), whose rows
+    are then read from its representation."""
+    if custom and not any(t.dim() > 0 for t in tensor_leaves(chunk)):
+        return None
+    return batch_size(chunk, name)
+
+
 def call_model(model: nn.Module, x: Any) -> Any:
     """Call ``model`` on one chunk: tensor -> ``model(x)``; mapping -> ``model(**x)``;
-    ``(list, dict)`` -> ``model(*args, **kwargs)``; other list/tuple -> ``model(*x)``."""
+    ``(list, dict)`` -> ``model(*args, **kwargs)``; other list/tuple -> ``model(*x)``; any other
+    object (a custom batch type from ``split_input_fn``) -> ``model(x)``."""
     if isinstance(x, Tensor):
         return model(x)
     if isinstance(x, Mapping):
@@ -139,7 +149,7 @@ def call_model(model: nn.Module, x: Any) -> Any:
         return model(*x[0], **x[1])
     if isinstance(x, (list, tuple)):
         return model(*x)
-    raise TypeError(f"inputs: cannot call a model on {type(x).__name__}; pass a tensor, mapping, list or tuple")
+    return model(x)
 
 
 def model_device(model: nn.Module) -> torch.device:

@@ -5,7 +5,9 @@ a graph and returns (B, ...) representations with a ``grad_fn``. Use them in any
 caller's ``loss.backward()`` reaches them, the node re-runs each chunk (random state replayed,
 the autocast setting of the forward restored) and back-propagates that chunk's slice of the
 incoming gradient, accumulating into the encoder parameters' ``.grad`` (like reentrant
-activation checkpointing: ``torch.autograd.grad`` w.r.t. encoder parameters is not supported).
+activation checkpointing: ``torch.autograd.grad`` w.r.t. encoder parameters is refused with a
+clear error; ``backward(inputs=[...])`` restricts which parameters accumulate). Input tensors
+that require grad get their gradients through the node, as from a plain forward.
 A GradScaler-scaled loss yields scaled parameter gradients, as usual. Memory: one chunk's
 forward + backward; work: one extra forward per chunk.
 """
@@ -20,7 +22,7 @@ from torch import Tensor, nn
 
 from .budget import ChunkProber, MemoryArg, allocated_now, parse_memory, planning_budget
 from .cache import _BUDGET_FRACTION, _identity, check_options, default_budget
-from .chunking import batch_size, model_device, pin, split_chunks
+from .chunking import batch_size, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, _autocast, backprop, encode, finalize_plan
 from .inputs import Pairs, inputs_require_grad, with_boundaries
 from .wrappers import check_not_fsdp, is_ddp
@@ -125,7 +127,6 @@ def cached_encode(
     get_rep = get_rep_fn or _identity
     if offload_inputs:
         inputs = pin(inputs)
-    b = batch_size(inputs)
     params = [p for p in model.parameters() if p.requires_grad]
     needs_grad = torch.is_grad_enabled() and (bool(params) or inputs_require_grad(inputs))
     # inputs that require grad: chunks are cut from boundaries whose gradients the node returns
@@ -136,11 +137,12 @@ def cached_encode(
         budget = budget or default_budget(device)
         module = model.module if is_ddp(model) else model
         cost = _PROBER.cost(module, bounded, get_rep, _autocast(device, autocast_dtype), autocast_dtype)
-        cached = 0.0 if offload_reps else cost.cached(b)
-        chunk_size = cost.largest_chunk(planning_budget(budget, _BUDGET_FRACTION, cached, allocated_now([device])), b)
+        cached = 0.0 if offload_reps else cost.cached(batch_size(inputs))
+        chunk_size = cost.largest_chunk(planning_budget(budget, _BUDGET_FRACTION, cached, allocated_now([device])), batch_size(inputs))
     chunks = split_chunks(bounded, chunk_size, split_input_fn=split_input_fn, from_budget=sized_from_budget)
-    units = [Unit(0, model, c, batch_size(c, "a chunk of inputs")) for c in chunks]
-    opts = EngineOptions(get_rep, autocast_dtype, offload_inputs, offload_reps, ddp_sync)
+    units = [Unit(0, model, c, chunk_rows(c, split_input_fn is not None, "a chunk of inputs")) for c in chunks]
+    # no autocast at the forward: none in the backward's re-runs either, whatever region it runs in
+    opts = EngineOptions(get_rep, autocast_dtype, offload_inputs, offload_reps, ddp_sync, inherit_autocast=False)
     if not needs_grad:
         with torch.no_grad():
             return encode(units, opts, 1)[0]

@@ -40,7 +40,7 @@ class Unit:
     input_index: int
     model: nn.Module
     chunk: Any
-    rows: int
+    rows: Optional[int]  # None: a custom chunk type, set from its representation in pass 1
     keep: bool = False
     rng: Optional[RngState] = None
     kept_rep: Optional[Tensor] = None
@@ -56,29 +56,40 @@ class EngineOptions:
     ddp_sync: str = "last_chunk"
     # tensors each chunk's backward accumulates into (backward's ``inputs=``); None: every leaf
     grad_targets: Optional[List[Tensor]] = None
+    # with autocast_dtype None: False runs both passes with autocast off (cached_encode's forward ran
+    # outside autocast, its backward may run inside); True leaves the caller's state (GradCache)
+    inherit_autocast: bool = True
 
 
-def _autocast(device: torch.device, dtype: Optional[torch.dtype]) -> Callable[[], Any]:
+def _autocast(device: torch.device, dtype: Optional[torch.dtype], inherit: bool = True) -> Callable[[], Any]:
     if dtype is None:
-        return contextlib.nullcontext
+        return contextlib.nullcontext if inherit else (lambda: torch.autocast(device_type=device.type, enabled=False))
     return lambda: torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def _no_autocast(device: torch.device, dtype: Optional[torch.dtype]) -> Callable[[], Any]:
+def _no_autocast(device: torch.device, dtype: Optional[torch.dtype], inherit: bool = True) -> Callable[[], Any]:
     """Autocast switched off inside a pass-wide autocast context (for a chunk's backward). A nested
     context: leaving it keeps the outer context's weight-cast cache."""
-    if dtype is None:
+    if dtype is None and inherit:
         return contextlib.nullcontext
     return lambda: torch.autocast(device_type=device.type, enabled=False)
 
 
-def _rep(opts: EngineOptions, model: nn.Module, chunk: Any, rows: int) -> Tensor:
+def _rep(opts: EngineOptions, model: nn.Module, chunk: Any, rows: Optional[int]) -> Tensor:
     rep = opts.get_rep(call_model(model, chunk))
     if not isinstance(rep, Tensor):
         raise TypeError(f"get_rep_fn must return a tensor, got {type(rep).__name__}; pass get_rep_fn=...")
+    if rows is None and rep.dim() > 0:
+        rows = rep.shape[0]
     if rep.dim() == 0 or rep.shape[0] != rows:
         raise ValueError(f"the representation of a {rows}-row chunk has shape {tuple(rep.shape)}; "
                          "dimension 0 must be the batch")
+    if torch.is_grad_enabled() and not rep.requires_grad:  # a chunk whose gradient is needed
+        raise ValueError(
+            f"get_rep_fn returned a representation that does not require grad ({rep.dtype}"
+            f"{', detached' if rep.is_floating_point() else ''}) from an encoder that is trained: it must be a "
+            "floating tensor computed from the model's output without .detach() or torch.no_grad()"
+        )
     return rep
 
 
@@ -123,7 +134,7 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
         if not mine:
             continue
         device = model_device(mine[0].model)
-        amp = _autocast(device, opts.autocast_dtype)
+        amp = _autocast(device, opts.autocast_dtype, opts.inherit_autocast)
         params = [next(iter(mine[0].model.parameters()), None)]
         # One autocast context for all chunks of this input: autocast casts each fp32 weight to
         # half once per context, so the chunks share one cast (one ~2-bytes-per-parameter copy kept
@@ -142,6 +153,8 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
                     with torch.no_grad():
                         rep = compact(_rep(opts, u.model, chunk, u.rows))
                 states.after()
+                if u.rows is None:  # a custom chunk: its rows are its representation's
+                    u.rows = rep.shape[0]
                 per_input[i].append(rep.to("cpu", non_blocking=False) if opts.offload_reps else rep)
     out = []
     for i, reps in enumerate(per_input):
@@ -205,8 +218,8 @@ def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tens
     """Re-run and back-propagate the chunks ``rerun`` (indices into ``units``) of one model."""
     model = units[rerun[0]].model
     device = model_device(model)
-    amp = _autocast(device, opts.autocast_dtype)
-    no_amp = _no_autocast(device, opts.autocast_dtype)
+    amp = _autocast(device, opts.autocast_dtype, opts.inherit_autocast)
+    no_amp = _no_autocast(device, opts.autocast_dtype, opts.inherit_autocast)
     acc = GradAccumulation(model)
     # As in pass 1, one autocast context (one weight cast) for every re-run chunk of the model;
     # each chunk's backward runs with autocast off, as it would outside the context.

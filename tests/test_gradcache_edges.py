@@ -1,0 +1,116 @@
+"""GradCache / cached_encode at the edges of their API: custom batch types through
+``split_input_fn``, argument errors that name the argument, representations that cannot carry a
+gradient, inference mode, and cached_encode's autocast setting in a backward run inside autocast."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from bigbatch.gradcache import GradCache, cached_encode
+
+from helpers import assert_rel
+
+F64 = torch.float64
+
+
+@dataclass
+class Batch:  # a custom collate output: not a tensor, mapping, list or tuple
+    feats: torch.Tensor
+
+
+class OnBatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 8)).to(F64)
+
+    def forward(self, b: Batch):
+        return self.lin(b.feats)
+
+
+def split(b: Batch, c: int):
+    return [Batch(b.feats[i:i + c]) for i in range(0, len(b.feats), c)]
+
+
+def clip(q, p):
+    s = 3.0 * q @ p.T
+    t = torch.arange(len(q))
+    return (nn.functional.cross_entropy(s, t) + nn.functional.cross_entropy(s.T, t)) / 2
+
+
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
+def test_custom_batch_type_through_split_input_fn(api):
+    g = torch.Generator().manual_seed(1)
+    x, y = Batch(torch.randn(7, 6, generator=g, dtype=F64)), Batch(torch.randn(7, 6, generator=g, dtype=F64))
+    m = OnBatch()
+    clip(m(x), m(y)).backward()
+    ref = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(set_to_none=True)
+    if api == "gradcache":
+        gc = GradCache(m, 3, clip, split_input_fn=split)
+        gc(x, y)
+        assert gc.last_chunk_rows == [[3, 3, 1], [3, 3, 1]]
+    else:
+        clip(cached_encode(m, x, 3, split_input_fn=split), cached_encode(m, y, 3, split_input_fn=split)).backward()
+    for p, r in zip(m.parameters(), ref):
+        assert_rel(p.grad, r, 1e-10, "custom batch")
+
+
+def test_a_budget_needs_batched_inputs():
+    x = Batch(torch.randn(4, 6, dtype=F64))
+    with pytest.raises(ValueError, match=r"inputs\[0\]: expected a tensor"):
+        GradCache(OnBatch(), loss_fn=clip, split_input_fn=split, memory_budget="1MiB")(x, x)
+
+
+@pytest.mark.parametrize("bad", [1.5, 2.0, torch.tensor(2), [], [2, 0], "4", True])
+def test_bad_chunk_sizes_name_the_argument(bad):
+    with pytest.raises(ValueError, match="chunk_sizes must be a positive int"):
+        GradCache(nn.Linear(2, 2), bad, clip)
+
+
+def test_numpy_integer_chunk_size_is_accepted():
+    assert GradCache(nn.Linear(2, 2), np.int64(3), clip).chunk_sizes == [3]
+
+
+@pytest.mark.parametrize("bad,needle", [(float("inf"), "finite"), (float("nan"), "finite")])
+def test_bad_memory_budget_numbers(bad, needle):
+    with pytest.raises(ValueError, match=f"memory_budget must be a {needle}"):
+        GradCache(nn.Linear(2, 2), loss_fn=clip, memory_budget=bad)
+
+
+def test_models_of_the_wrong_type():
+    with pytest.raises(TypeError, match="models must be an nn.Module.*got function"):
+        GradCache(lambda x: x, 2, clip)
+
+
+@pytest.mark.parametrize("get_rep,needle", [(lambda o: o.detach(), "detached"), (lambda o: o.argmax(1), "int64")])
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_representation_without_grad_is_named(get_rep, needle, keep):
+    m = nn.Linear(6, 8).to(F64)
+    x = torch.randn(6, 6, dtype=F64)
+    with pytest.raises((TypeError, ValueError), match=f"get_rep_fn.*{needle}"):
+        GradCache(m, 3, lambda a, b: (a.double() + b.double()).sum(), get_rep_fn=get_rep, keep_last_graph=keep)(x, x)
+
+
+def test_inference_mode_is_refused():
+    m = nn.Linear(6, 8).to(F64)
+    x = torch.randn(6, 6, dtype=F64)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
+        GradCache(m, 3, clip)(x, x)
+
+
+def test_cached_encode_reruns_without_autocast_when_its_forward_had_none():
+    """The backward may run inside an autocast region; the re-runs must compute as the forward did."""
+    m = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8))
+    seen = []
+    m.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    x = torch.randn(6, 6)
+    reps = cached_encode(m, x, 3, keep_last_graph=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reps.float().sum().backward()
+    assert seen == [torch.float32] * 4  # 2 pass-1 chunks, then 2 re-runs
