@@ -61,10 +61,16 @@ def test_custom_batch_type_through_split_input_fn(api):
         assert_rel(p.grad, r, 1e-10, "custom batch")
 
 
+class Opaque:  # neither a dataclass nor a container: only split_input_fn can cut it
+    def __init__(self, feats):
+        self.feats = feats
+
+
 def test_a_budget_needs_batched_inputs():
-    x = Batch(torch.randn(4, 6, dtype=F64))
-    with pytest.raises(ValueError, match=r"inputs\[0\]: expected a tensor"):
-        GradCache(OnBatch(), loss_fn=clip, split_input_fn=split, memory_budget="1MiB")(x, x)
+    x = Opaque(torch.randn(4, 6, dtype=F64))
+    opaque_split = lambda b, c: [Opaque(b.feats[i:i + c]) for i in range(0, len(b.feats), c)]  # noqa: E731
+    with pytest.raises(ValueError, match=r"inputs\[0\]: expected a tensor.*pass chunk_sizes"):
+        GradCache(OnBatch(), loss_fn=clip, split_input_fn=opaque_split, memory_budget="1MiB")(x, x)
 
 
 @pytest.mark.parametrize("bad", [1.5, 2.0, torch.tensor(2), [], [2, 0], "4", True])
@@ -114,3 +120,23 @@ def test_cached_encode_reruns_without_autocast_when_its_forward_had_none():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         reps.float().sum().backward()
     assert seen == [torch.float32] * 4  # 2 pass-1 chunks, then 2 re-runs
+
+
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
+@pytest.mark.parametrize("frozen", [False, True])
+@pytest.mark.parametrize("with_split_fn", [False, True])
+def test_dataclass_batch_holding_a_tensor_that_requires_grad(api, frozen, with_split_fn):
+    """A dataclass batch is split like a tuple (its fields cut), and a non-leaf tensor inside it
+    gets its exact gradient (before: 'backward through the graph a second time', or none)."""
+    g = torch.Generator().manual_seed(2)
+    raw, y = torch.randn(7, 6, generator=g, dtype=F64), Batch(torch.randn(7, 6, generator=g, dtype=F64))
+    w = nn.Parameter(torch.eye(6, dtype=F64) + 0.1 * torch.randn(6, 6, generator=g, dtype=F64))
+    m = OnBatch().requires_grad_(not frozen)
+    clip(m(Batch(raw @ w)), m(y)).backward()
+    ref, w.grad = w.grad.clone(), None
+    kw = {"split_input_fn": split} if with_split_fn else {}
+    if api == "gradcache":
+        GradCache(m, 3, clip, **kw)(Batch(raw @ w), y)
+    else:
+        clip(cached_encode(m, Batch(raw @ w), 3, **kw), m(y)).backward()
+    assert_rel(w.grad, ref, 1e-10, "W.grad")

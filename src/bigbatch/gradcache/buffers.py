@@ -12,29 +12,49 @@ one forward over the whole batch (no chunked scheme's are).
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterable, Iterator, List, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 from torch import Tensor, nn
 
 
-def _buffer_slots(modules: Iterable[nn.Module]) -> List[Tuple[nn.Module, str]]:
-    """(module, name) of every buffer of ``modules``, each submodule once (shared ones included)."""
+# Below this many bytes of buffers in all, each chunk records every buffer (a copy each): a
+# change made through ``.data`` (no autograd version bump) is then caught too. Above it (large
+# constant tables), only the buffers seen changing are copied per chunk.
+RECORD_ALL_BYTES = 16 * 2**20
+
+Slot = Tuple[nn.Module, str]
+
+
+def _buffer_slots(modules: Iterable[nn.Module]) -> List[Slot]:
+    """(module, name) of every buffer of ``modules`` (``None`` ones, lazily set later, included),
+    each submodule once (shared ones included)."""
     slots, seen = [], set()
     for model in modules:
         for mod in model.modules():
             if id(mod) in seen:
                 continue
             seen.add(id(mod))
-            slots += [(mod, name) for name, buf in mod._buffers.items() if buf is not None]
+            slots += [(mod, name) for name in mod._buffers]
     return slots
 
 
-def _put(mod: nn.Module, name: str, value: Tensor) -> None:
-    """Give buffer ``name`` of ``mod`` the value ``value`` (not aliased: ``value`` stays a snapshot);
-    in place without an autograd version bump when the shapes agree, so the buffer's identity is kept."""
+def _get(slot: Slot) -> Optional[Tensor]:
+    return slot[0]._buffers.get(slot[1])
+
+
+def _copy(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.detach().clone()
+
+
+def _put(slot: Slot, value: Optional[Tensor]) -> None:
+    """Give the buffer ``value`` (not aliased: ``value`` stays a snapshot); in place without an
+    autograd version bump when the shapes agree, so the buffer's identity is kept."""
+    mod, name = slot
     buf = mod._buffers.get(name)
-    if buf is not None and buf.shape == value.shape and buf.dtype == value.dtype and buf.device == value.device:
-        buf.data.copy_(value)
+    if value is None:
+        mod._buffers[name] = None
+    elif buf is not None and buf.shape == value.shape and buf.dtype == value.dtype and buf.device == value.device:
+        buf.data.copy_(value)  # .data: the same storage, not the version counter
     else:
         mod._buffers[name] = value.clone()
 
@@ -43,39 +63,40 @@ class BufferStates:
     """The buffers of ``modules`` as each pass-1 forward found them, so that its pass-2 re-run
     starts from the same values.
 
-    ``before()`` / ``after()`` bracket each pass-1 forward; ``before`` returns the chunk's record.
-    A buffer counts as changing once some forward re-assigned it or bumped its autograd version
-    (in-place ops and ``out=`` do; BatchNorm's running statistics, updated inside its kernel, do
-    not, and BatchNorm in training mode does not read them). Memory: one copy of all buffers (the
-    state before the first chunk) plus, per chunk, a copy of the buffers seen changing so far."""
+    ``before()`` (called where the module's own forward starts: inside a DDP wrapper, after DDP
+    broadcast rank 0's buffers) returns the chunk's record; ``after()`` follows the forward. With
+    at most ``RECORD_ALL_BYTES`` of buffers every record holds a copy of each; otherwise only of
+    the buffers seen changing so far -- re-assigned, set or unset, or version-bumped (in-place ops
+    and ``out=`` bump it; ``.data`` writes and BatchNorm's running statistics do not, and
+    BatchNorm in training mode does not read them) -- and the others read their value from
+    before the first chunk. Memory: one copy of all buffers plus each chunk's record."""
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
         self.slots = _buffer_slots(modules)
-        self.initial = {i: mod._buffers[name].detach().clone() for i, (mod, name) in enumerate(self.slots)}
+        self.initial = [_copy(_get(slot)) for slot in self.slots]
+        self.record_all = sum(t.numel() * t.element_size() for t in self.initial if t is not None) <= RECORD_ALL_BYTES
         self.changing: Dict[int, None] = {}  # slot indices, in the order they were seen changing
-        self._marks: List[Tuple[int, int]] = []
+        self._marks: List[Tuple[Optional[Tensor], int]] = []
 
-    def _mark(self) -> List[Tuple[int, int]]:
-        out = []
-        for mod, name in self.slots:
-            buf = mod._buffers.get(name)
-            out.append((id(buf), buf._version if buf is not None else -1))
-        return out
+    def _mark(self) -> List[Tuple[Optional[Tensor], int]]:
+        # the tensor itself (not its id, which a new tensor may reuse) and its version
+        return [(buf, buf._version if buf is not None else -1) for buf in map(_get, self.slots)]
 
-    def before(self) -> Dict[int, Tensor]:
+    def before(self) -> Dict[int, Optional[Tensor]]:
         self._marks = self._mark()
-        return {i: self.slots[i][0]._buffers[self.slots[i][1]].detach().clone() for i in self.changing}
+        keep = range(len(self.slots)) if self.record_all else self.changing
+        return {i: _copy(_get(self.slots[i])) for i in keep}
 
     def after(self) -> None:
-        for i, (now, was) in enumerate(zip(self._mark(), self._marks)):
-            if now != was and i not in self.changing:
+        for i, ((now, v_now), (was, v_was)) in enumerate(zip(self._mark(), self._marks)):
+            if (now is not was or v_now != v_was) and i not in self.changing:
                 self.changing[i] = None  # its value before this and every earlier chunk: ``initial``
+        self._marks = []
 
-    def restore(self, record: Dict[int, Tensor]) -> None:
-        """Put every changing buffer back to its value before the pass-1 forward of ``record``'s chunk."""
-        for i in self.changing:
-            mod, name = self.slots[i]
-            _put(mod, name, record.get(i, self.initial[i]))
+    def restore(self, record: Dict[int, Optional[Tensor]]) -> None:
+        """Put the buffers back to their values before the pass-1 forward of ``record``'s chunk."""
+        for i in (range(len(self.slots)) if self.record_all else self.changing):
+            _put(self.slots[i], record[i] if i in record else self.initial[i])
 
 
 @contextlib.contextmanager
@@ -84,16 +105,20 @@ def buffers_restored(modules: Iterable[nn.Module]) -> Iterator[None]:
     is copied back in place (its identity, which DDP's buffer broadcast relies on, is kept) without
     bumping its autograd version: graphs saved before entry saw exactly the entry value, which is
     what they see again (BatchNorm's own in-place updates do not bump it either, and a version bump
-    would fail such a graph's backward); a buffer the forward re-assigned is put back. Memory: one
-    copy of the buffers. Leave the context only after the backward of what ran inside it."""
-    saved: List[Tuple[nn.Module, str, Tensor, Tensor]] = [
-        (mod, name, mod._buffers[name], mod._buffers[name].detach().clone()) for mod, name in _buffer_slots(modules)
-    ]
+    would fail such a graph's backward); a buffer the forward re-assigned, set or unset is put
+    back, and one registered during the context is removed. Memory: one copy of the buffers.
+    Leave the context only after the backward of what ran inside it."""
+    modules = list(modules)
+    saved = [(slot, _get(slot), _copy(_get(slot))) for slot in _buffer_slots(modules)]
     try:
         yield
     finally:
-        for mod, name, buf, value in saved:
-            if mod._buffers.get(name) is buf:
-                buf.data.copy_(value)  # .data: the same storage, not the version counter
+        for slot, buf, value in saved:
+            if value is not None and _get(slot) is buf:
+                buf.data.copy_(value)
             else:
-                mod._buffers[name] = value
+                _put(slot, value)
+        known = {(id(m), n) for (m, n), _, _ in saved}
+        for mod, name in _buffer_slots(modules):
+            if (id(mod), name) not in known:
+                del mod._buffers[name]

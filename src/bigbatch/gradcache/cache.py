@@ -193,7 +193,8 @@ class GradCache:
             if self.memory_budget is None:
                 return list(sizes), [None] * len(inputs), None
         # a budget is planned from the batch sizes (inputs of a custom type need chunk_sizes)
-        batches = [batch_size(x, f"inputs[{i}]") for i, x in enumerate(inputs)]
+        batches = [batch_size(x, f"inputs[{i}]", hint="a memory budget plans from batched tensors: pass chunk_sizes")
+                   for i, x in enumerate(inputs)]
         if self.chunk_sizes is not None:
             costs = [self._cost(m, x) for m, x in zip(models, inputs)]
             return list(sizes), costs, self._usable(self.memory_budget, models, costs, batches)

@@ -2,12 +2,15 @@
 
 Inputs are nested structures whose tensor leaves share dimension 0 (the batch): a tensor, a
 mapping (``dict``, ``UserDict``, Hugging Face ``BatchEncoding``: the chunk keeps the type), a
-list or tuple (type kept), or luyug-GradCache style ``(args_list, kwargs_dict)``. Non-tensor
+list or tuple (type kept), a dataclass instance (rebuilt with its ``init`` fields cut; called as
+``model(chunk)``), or luyug-GradCache style ``(args_list, kwargs_dict)``. Other objects are opaque:
+they need a ``split_input_fn``, and tensors inside them are not seen (no input gradients). Non-tensor
 leaves and 0-d tensors are repeated in every chunk. Splitting makes views, never copies.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, List, Optional, Sequence
 
@@ -15,25 +18,37 @@ import torch
 from torch import Tensor, nn
 
 
+def _dataclass(x: Any) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def _fields(x: Any) -> List[str]:
+    """The fields of a dataclass instance that its constructor takes (a rebuilt copy gets them)."""
+    return [f.name for f in dataclasses.fields(x) if f.init]
+
+
 def tensor_leaves(x: Any) -> List[Tensor]:
-    """Every tensor inside ``x`` (depth-first, mapping values in key order)."""
+    """Every tensor inside ``x`` (depth-first, mapping values in key order, dataclass fields in order)."""
     if isinstance(x, Tensor):
         return [x]
     if isinstance(x, Mapping):
         return [t for v in x.values() for t in tensor_leaves(v)]
     if isinstance(x, (list, tuple)):
         return [t for v in x for t in tensor_leaves(v)]
+    if _dataclass(x):
+        return [t for name in _fields(x) for t in tensor_leaves(getattr(x, name))]
     return []
 
 
-def batch_size(x: Any, name: str = "inputs") -> int:
+def batch_size(x: Any, name: str = "inputs", hint: str = "") -> int:
     """The shared size of dimension 0 of the batched tensor leaves of ``x``.
 
     Raises ``ValueError`` when there is no batched tensor, the batch is empty, or leaves disagree.
     """
     sizes = {t.shape[0] for t in tensor_leaves(x) if t.dim() > 0}
     if not sizes:
-        raise ValueError(f"{name}: expected a tensor or a structure of tensors with a batch dimension, got {type(x).__name__}")
+        raise ValueError(f"{name}: expected a tensor or a structure of tensors with a batch dimension, got "
+                         f"{type(x).__name__}" + (f" ({hint})" if hint else ""))
     if len(sizes) > 1:
         raise ValueError(f"{name}: tensors disagree on the batch size (dimension 0): {sorted(sizes)}")
     b = sizes.pop()
@@ -112,6 +127,8 @@ def split_rows(x: Any, rows: Sequence[int]) -> List[Any]:
             return _remap(v, {k: cut(w, i) for k, w in v.items()})
         if isinstance(v, (list, tuple)):
             return _rebuild(v, [cut(w, i) for w in v])
+        if _dataclass(v):
+            return dataclasses.replace(v, **{name: cut(getattr(v, name), i) for name in _fields(v)})
         return v
 
     return [cut(x, i) for i in range(len(rows))]
@@ -125,6 +142,8 @@ def map_tensors(x: Any, fn: Callable[[Tensor], Tensor]) -> Any:
         return _remap(x, {k: map_tensors(v, fn) for k, v in x.items()})
     if isinstance(x, (list, tuple)):
         return _rebuild(x, [map_tensors(v, fn) for v in x])
+    if _dataclass(x):
+        return dataclasses.replace(x, **{name: map_tensors(getattr(x, name), fn) for name in _fields(x)})
     return x
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -125,6 +125,44 @@ def finalize_plan(units: Sequence[Unit], ddp_sync: str) -> None:
             group[-1].keep = False
 
 
+@contextlib.contextmanager
+def recording(states: BufferStates, models: Sequence[nn.Module]) -> Iterator[Dict[str, Any]]:
+    """Take ``states``' record of a chunk where the first of ``models`` to run starts its own
+    forward (inside a DDP wrapper: after DDP broadcast rank 0's buffers, which is what the forward
+    reads), and close it after the block. Yields a dict that holds ``"record"`` once a forward started."""
+    box: Dict[str, Any] = {}
+
+    def hook(mod: nn.Module, args: Any) -> None:
+        if "record" not in box:
+            box["record"] = states.before()
+
+    handles = [(m.module if is_ddp(m) else m).register_forward_pre_hook(hook, prepend=True) for m in models]
+    try:
+        yield box
+    finally:
+        for h in handles:
+            h.remove()
+        if "record" in box:
+            states.after()
+
+
+def _first_run(u: Unit, chunk: Any, opts: EngineOptions, params: List[Any]) -> Tensor:
+    """Pass 1 of one chunk: with a kept graph, or without a graph under a captured random state.
+    Returns the detached (compact) representation; sets ``u.rows`` for a custom chunk type."""
+    if u.keep:
+        with sync_context(u.model, sync=False)(), torch.enable_grad():
+            rep = _rep(opts, u.model, chunk, u.rows)
+        u.kept_rep = rep
+        rep = compact(rep)
+    else:
+        u.rng = RngState(cuda_devices_of(tensor_leaves(chunk) + [p for p in params if p is not None]))
+        with torch.no_grad():
+            rep = compact(_rep(opts, u.model, chunk, u.rows))
+    if u.rows is None:  # a custom chunk: its rows are its representation's
+        u.rows = rep.shape[0]
+    return rep
+
+
 def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Tensor]:
     """Pass 1. Returns one detached (B_i, ...) representation tensor per input, on the model's device."""
     per_input: List[List[Tensor]] = [[] for _ in range(n_inputs)]
@@ -141,20 +179,10 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
         # for the pass) instead of re-casting every weight per chunk.
         with amp():
             for u, chunk in zip(mine, staged([u.chunk for u in mine], device, opts.offload_inputs)):
-                record = states.before()
-                if u.keep:
-                    with sync_context(u.model, sync=False)(), torch.enable_grad():
-                        rep = _rep(opts, u.model, chunk, u.rows)
-                    u.kept_rep = rep
-                    rep = compact(rep)
-                else:
-                    u.rng = RngState(cuda_devices_of(tensor_leaves(chunk) + [p for p in params if p is not None]))
-                    u.buffers = (states, record)
-                    with torch.no_grad():
-                        rep = compact(_rep(opts, u.model, chunk, u.rows))
-                states.after()
-                if u.rows is None:  # a custom chunk: its rows are its representation's
-                    u.rows = rep.shape[0]
+                with recording(states, [u.model]) as record:
+                    rep = _first_run(u, chunk, opts, params)
+                if not u.keep:
+                    u.buffers = (states, record.get("record", {}))
                 per_input[i].append(rep.to("cpu", non_blocking=False) if opts.offload_reps else rep)
     out = []
     for i, reps in enumerate(per_input):

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from .buffers import BufferStates, buffers_restored
 from .chunking import tensor_leaves
-from .engine import compact
+from .engine import compact, recording
 from .rng import RngState, cuda_devices_of
 
 Reps = Union[Tensor, Tuple[Tensor, ...]]
@@ -91,10 +91,9 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
         # as this call left them (BatchNorm statistics updated once)
         modules = [a for a in list(args) + list(kwargs.values()) if isinstance(a, nn.Module)]
         states = BufferStates(modules)
-        states.before()
-        with torch.no_grad():
+        with recording(states, modules) as box, torch.no_grad():
             out = func(*args, **kwargs)
-        states.after()
+        record = box.get("record", {})
         first = _as_tuple(out, func.__name__)
         # compact: a view such as out[:, 0] would keep the sub-batch's whole output alive
         leaves = tuple(compact(t).requires_grad_(t.is_floating_point()) for t in first)
@@ -114,7 +113,7 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
                     "the loss's backward, with the tensors the decorated call returned"
                 )
             with buffers_restored(modules):
-                states.restore({})
+                states.restore(record)
                 with torch.enable_grad(), rng.replay(), _AutocastReplay(amp):
                     again = _as_tuple(func(*args, **kwargs), func.__name__)
                 pairs = [(t, g) for t, g in zip(again, grads) if g is not None and t.requires_grad]
