@@ -128,6 +128,9 @@ def _run_train(ns: argparse.Namespace) -> int:
     except (DataError, RunError, ValueError, ImportError, NotImplementedError, FloatingPointError) as e:
         print(f"bigbatch train: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # an --out or --data path that cannot be used
+        print(f"bigbatch train: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     return 0

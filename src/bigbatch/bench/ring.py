@@ -37,7 +37,7 @@ from .common import cuda_time_ms, hardware, matmul_tflops, measure, wall_time_ms
 PEERS = ("ring", "gather", "infcl", "single", "compute")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # OpenCLIP-style gather: live fp32 (b_local x B) matrices in forward+backward, calibrated on
-# DESIGN.md section 3 (65,536 on 2 GPUs -> 32 GiB): used only to skip cases that cannot fit.
+# The peers' published anchors (65,536 on 2 GPUs -> 32 GiB): used only to skip cases that cannot fit.
 _GATHER_BXB_COPIES = 4
 _LOGIT_SCALE = math.log(1 / 0.07)
 
@@ -224,7 +224,7 @@ def _case(peer: str, b_global: int, d: int, dtype: torch.dtype, args, device, ba
     if peer == "single":
         dist.barrier()
     res["extra_gib_raw"] = res.pop("extra_gib", None)
-    # DESIGN.md: extra memory is counted beyond the inputs AND their gradients (inherent).
+    # The memory convention: extra memory is counted beyond the inputs AND their gradients (inherent).
     raw = res.get("extra_gib_raw")
     res["extra_gib"] = None if raw is None else raw - grad_bytes / 2**30
     return {**row, **res}

@@ -1,6 +1,6 @@
 """CLIP and InfoNCE losses over a process group: cross-rank checks, then the ring (or gather).
 
-Returned values follow DESIGN.md section 2: each rank returns ``world_size`` times its
+Returned values follow the distributed contract (docs/ring.md): each rank returns ``world_size`` times its
 share of the global loss (so the MEAN over ranks is the global loss), and its backward
 yields its share of every gradient, so that DDP-style averaging of parameter gradients
 over ranks gives exactly the single-process gradient over the whole batch, also with

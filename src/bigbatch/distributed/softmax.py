@@ -29,7 +29,7 @@ workspace (2 chunks x D) -- O((b + n) * D), independent of the world size.
 FLOPs per rank: 8 * b_r * N * D, as on one GPU; bytes sent per rank per call:
 forward n*D*(input bytes) per step, backward n*D*(input bytes + 4) per step.
 
-Semantics (DESIGN.md section 2): each rank's backward returns the gradient of the SUM
+Semantics (the distributed contract, docs/ring.md): each rank's backward returns the gradient of the SUM
 over ranks of every rank's outputs weighted by its upstream gradients, w.r.t. its local
 features; ``d(scale)`` is this rank's share (its rows x all columns), NOT all-reduced,
 so that DDP-style averaging over ranks gives the single-process gradient. Every rank

@@ -115,6 +115,8 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"--weight-decay must be a number >= 0, got {self.weight_decay}")
         if not 0 < self.heldout_fraction < 1:
             raise ValueError(f"--heldout-fraction must be in (0, 1), got {self.heldout_fraction}")
 
@@ -141,7 +143,12 @@ def setup_distributed(device_arg: str) -> tuple:
     if device_arg == "auto":
         device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
     else:
-        device = torch.device(device_arg)
+        try:
+            device = torch.device(device_arg)
+        except RuntimeError:
+            device = None
+        if device is None or device.type not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {device_arg!r}")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"--device {device_arg}: CUDA is not available")
         if device.type == "cuda" and device.index is None:
@@ -155,6 +162,18 @@ def setup_distributed(device_arg: str) -> tuple:
     if dist.get_world_size() == 1:
         return Dist(), device
     return Dist(rank=dist.get_rank(), world=dist.get_world_size(), group=dist.group.WORLD), device
+
+
+def check_backend(cfg: "TrainConfig", device: torch.device) -> None:
+    """--backend names a loss backend that runs on ``device`` (ValueError otherwise), before any output."""
+    from bigbatch.backends import resolve_backend
+    from bigbatch.sigmoid_loss import resolve_sigmoid_backend
+
+    resolve = resolve_sigmoid_backend if cfg.loss == "siglip" else resolve_backend
+    try:
+        resolve(cfg.backend, device, torch.float32)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--backend {cfg.backend}: {exc}") from None
 
 
 def memory_mb(device: torch.device) -> float:
@@ -379,6 +398,7 @@ def train(
     """
     cfg.check()
     d, device = setup_distributed(cfg.device)
+    check_backend(cfg, device)
     out = _prepare_out(cfg, resume, overwrite)
     if resume:
         cfg = merged_config(cfg, out, explicit)
@@ -515,6 +535,14 @@ def train(
                     _save(out, step, model, opt, scaler, cfg, d, step_rng)
                 if d.rank == 0:
                     _plot(out)
+    except Exception:
+        # a fresh run that failed in its first step (e.g. a memory budget too small for one row)
+        # leaves no half-written output behind, so running again needs no --overwrite
+        if not resume and step == 0 and d.rank == 0:
+            for name in OUTPUT_FILES:
+                p = out / name
+                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+        raise
     except KeyboardInterrupt:
         if bar is not None:
             bar.close()
@@ -534,7 +562,8 @@ def train(
         tmp.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, out / "results.json")
         if step >= total and before is not None and last is not None:
-            say("held-out docstring -> code retrieval:\n" + summary_table(before, last))
+            what = "docstring -> code" if cfg.data == "builtin" else "query -> positive"
+            say(f"held-out {what} retrieval:\n" + summary_table(before, last))
         say(f"outputs in {out}: metrics.jsonl, metrics.png, results.json, checkpoints/")
     return results
 
