@@ -145,9 +145,17 @@ def test_output_dir_guards(tmp_path, data, capsys):
         (["--batch-size", "100000"], "larger than the training set"),
         (["--loss", "infonce", "--hard-negatives", "5"], "fewer negatives"),
         (["--lr", "-1"], "--lr must be a positive"),
+        (["--weight-decay", "-1"], "--weight-decay must be a number >= 0"),
+        (["--device", "meta"], "--device must be auto, cpu, cuda or cuda:N"),
+        (["--device", "foo"], "--device must be auto, cpu, cuda or cuda:N"),
+        (["--backend", "foo"], "--backend foo: backend must be one of"),
+        (["--backend", "triton"], "--backend triton: backend='triton' needs CUDA"),
+        # found only in the first step: the run's output is removed again
+        (["--memory-budget", "100B"], "cannot even hold the cached representations"),
     ],
 )
-def test_bad_options_are_clear_errors(tmp_path, data, capsys, args, pattern):
+def test_bad_options_are_clear_errors(tmp_path, data, capsys, args, pattern, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     try:
         rc = _run("--data", data[0], "--eval-data", data[1], "--steps", 1, "--batch-size", 64, "--out", tmp_path / "o",
                   *args)
@@ -155,7 +163,15 @@ def test_bad_options_are_clear_errors(tmp_path, data, capsys, args, pattern):
         rc = e.code
     assert rc == 2
     assert pattern in capsys.readouterr().err
-    assert not (tmp_path / "o").exists()
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
+def test_unusable_out_path_is_a_clear_error(tmp_path, data, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert _run("--data", data[0], "--eval-data", data[1], "--steps", 1, "--batch-size", 64,
+                "--out", blocker / "sub") == 2
+    assert "bigbatch train: error:" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra", [["--loss", "siglip"], ["--accumulate"], ["--precision", "bf16"],

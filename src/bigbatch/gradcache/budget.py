@@ -132,6 +132,13 @@ def _rep_bytes(rep: Tensor) -> float:
     return float(rep.numel() * rep.element_size())
 
 
+def _get_rep(get_rep, out: Any) -> Tensor:
+    rep = get_rep(out)
+    if not isinstance(rep, Tensor):
+        raise TypeError(f"get_rep_fn must return a tensor, got {type(rep).__name__}; pass get_rep_fn=...")
+    return rep
+
+
 def _measure(model, x, get_rep, autocast_ctx, params, device) -> Tuple[float, float, float]:
     """(peak, act, representation) bytes of one forward + backward of chunk ``x`` (gradients for
     ``params`` and the chunk's tensors that require grad); with neither (a frozen model fed plain
@@ -143,7 +150,7 @@ def _measure(model, x, get_rep, autocast_ctx, params, device) -> Tuple[float, fl
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         with autocast_ctx(), torch.set_grad_enabled(train):
-            rep = get_rep(call_model(model, x))
+            rep = _get_rep(get_rep, call_model(model, x))
         act = torch.cuda.memory_allocated(device) - base if train else 0
         rep_bytes = _rep_bytes(rep)
         if train:
@@ -154,7 +161,7 @@ def _measure(model, x, get_rep, autocast_ctx, params, device) -> Tuple[float, fl
     if not train:  # CPU, frozen model: twice the bytes of its output, a rough guide
         with torch.no_grad(), autocast_ctx():
             out = call_model(model, x)
-            rep = get_rep(out)
+            rep = _get_rep(get_rep, out)
         out_bytes = sum(t.numel() * t.element_size() for t in tensor_leaves(out))
         return float(2 * out_bytes), 0.0, _rep_bytes(rep)
     saved = [0]
@@ -164,7 +171,7 @@ def _measure(model, x, get_rep, autocast_ctx, params, device) -> Tuple[float, fl
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast_ctx():
-        rep = get_rep(call_model(model, x))
+        rep = _get_rep(get_rep, call_model(model, x))
     torch.autograd.grad(rep, params, grad_outputs=torch.ones_like(rep), allow_unused=True)
     grads = sum(p.numel() * p.element_size() for p in params)
     return float(2 * saved[0] + grads), float(saved[0]), _rep_bytes(rep)
