@@ -170,6 +170,20 @@ def reads_its_buffers(kind: str, seed: int = 0) -> nn.Module:
     return nn.Sequential(sn(nn.Linear(5, 8)), nn.Dropout(0.2), nn.Tanh(), nn.Linear(8, 6)).to(F64)
 
 
+def step_with(api: str, m: nn.Module, x, y, chunk: int) -> None:
+    """One cached step of ``m`` on (x, y) in chunks of ``chunk`` rows (short first) through ``api``."""
+    if api.startswith("gradcache"):
+        GradCache(m, chunk_sizes=chunk, loss_fn=loss_fn, keep_last_graph=api == "gradcache")(x, y)
+    elif api == "cached_encode":
+        loss_fn(cached_encode(m, x, chunk), cached_encode(m, y, chunk)).backward()
+    else:  # the functional closures, one per chunk
+        enc = cached(lambda model, v: model(v))
+        outs = [(t_i, enc(m, c)) for t_i, t in enumerate((x, y)) for c in split_batch(t, chunk, short_first=True)]
+        loss_fn(*[torch.cat([r for i, (r, _) in outs if i == side]) for side in (0, 1)]).backward()
+        for _, (r, f) in outs:
+            f(r)
+
+
 @pytest.mark.parametrize("kind", ["running_scale", "spectral_norm", "parametrized_spectral_norm"])
 @pytest.mark.parametrize("api", ["gradcache", "gradcache_nokeep", "cached_encode", "functional"])
 def test_a_rerun_reads_the_buffers_its_first_run_saw(kind, api):
@@ -180,17 +194,7 @@ def test_a_rerun_reads_the_buffers_its_first_run_saw(kind, api):
     m, ref = reads_its_buffers(kind), reads_its_buffers(kind)
     reference(ref, x, y, 3, seed=4)
     torch.manual_seed(4)
-    if api.startswith("gradcache"):
-        GradCache(m, chunk_sizes=3, loss_fn=loss_fn, keep_last_graph=api == "gradcache")(x, y)
-    elif api == "cached_encode":
-        loss_fn(cached_encode(m, x, 3), cached_encode(m, y, 3)).backward()
-    else:
-        enc = cached(lambda model, v: model(v))
-        outs = [enc(m, c) for t in (x, y) for c in split_batch(t, 3, short_first=True)]
-        reps = [r for r, _ in outs]
-        loss_fn(torch.cat(reps[:4]), torch.cat(reps[4:])).backward()
-        for r, f in outs:
-            f(r)
+    step_with(api, m, x, y, 3)
     for a, b in zip(state(m), state(ref)):  # and the buffers end as after one pass
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
     check_grads(list(m.parameters()), grads(list(ref.parameters())), 1e-10, f"{kind} via {api}")
@@ -251,15 +255,8 @@ def test_buffers_written_through_data_or_created_lazily(make, api):
             torch.manual_seed(1)
             reps = [torch.cat([ref(c) for c in split_rows(t, r)]) for t, r in zip((x, y), rows)]
             loss_fn(*reps).backward()
-    elif api == "cached_encode":
-        loss_fn(cached_encode(m, x, 4), cached_encode(m, y, 4)).backward()
     else:
-        enc = cached(lambda model, v: model(v))
-        outs = [enc(m, c) for t in (x, y) for c in split_batch(t, 4, short_first=True)]
-        reps = [r for r, _ in outs]
-        loss_fn(torch.cat(reps[:3]), torch.cat(reps[3:])).backward()
-        for r, f in outs:
-            f(r)
+        step_with(api, m, x, y, 4)
     assert torch.allclose(m.scale, ref.scale, rtol=1e-12)
     check_grads(list(m.parameters()), grads(list(ref.parameters())), 1e-10, f"{make.__name__} via {api}")
 
