@@ -129,11 +129,13 @@ def finalize_plan(units: Sequence[Unit], ddp_sync: str) -> None:
 def recording(states: BufferStates, models: Sequence[nn.Module]) -> Iterator[Dict[str, Any]]:
     """Take ``states``' record of a chunk where the first of ``models`` to run starts its own
     forward (inside a DDP wrapper: after DDP broadcast rank 0's buffers, which is what the forward
-    reads), and close it after the block. Yields a dict that holds ``"record"`` once a forward started."""
-    box: Dict[str, Any] = {}
+    reads), and close it after the block. Yields a dict whose ``"record"`` is taken on entry and
+    taken again when the first forward starts (if none does, the entry record stands)."""
+    box: Dict[str, Any] = {"record": states.before()}
 
     def hook(mod: nn.Module, args: Any) -> None:
-        if "record" not in box:
+        if not box.get("hooked"):
+            box["hooked"] = True
             box["record"] = states.before()
 
     handles = [(m.module if is_ddp(m) else m).register_forward_pre_hook(hook, prepend=True) for m in models]
@@ -142,8 +144,7 @@ def recording(states: BufferStates, models: Sequence[nn.Module]) -> Iterator[Dic
     finally:
         for h in handles:
             h.remove()
-        if "record" in box:
-            states.after()
+        states.after()
 
 
 def _first_run(u: Unit, chunk: Any, opts: EngineOptions, params: List[Any]) -> Tensor:
@@ -182,7 +183,7 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
                 with recording(states, [u.model]) as record:
                     rep = _first_run(u, chunk, opts, params)
                 if not u.keep:
-                    u.buffers = (states, record.get("record", {}))
+                    u.buffers = (states, record["record"])
                 per_input[i].append(rep.to("cpu", non_blocking=False) if opts.offload_reps else rep)
     out = []
     for i, reps in enumerate(per_input):

@@ -93,7 +93,7 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
         states = BufferStates(modules)
         with recording(states, modules) as box, torch.no_grad():
             out = func(*args, **kwargs)
-        record = box.get("record", {})
+        record = box["record"]
         first = _as_tuple(out, func.__name__)
         # compact: a view such as out[:, 0] would keep the sub-batch's whole output alive
         leaves = tuple(compact(t).requires_grad_(t.is_floating_point()) for t in first)
