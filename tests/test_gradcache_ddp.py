@@ -90,6 +90,12 @@ def _worker(rank: int, world: int):
         counts.append(calls[0])
     out["cached_encode"] = (counts, [p.grad.clone() for p in model.module.parameters()])
 
+    try:  # a static-graph DDP module is refused with the reason
+        GradCache(DDP(_encoder(), static_graph=True), chunk_sizes=CHUNK, loss_fn=losses["gather"])
+        static_error = None
+    except ValueError as exc:
+        static_error = str(exc)
+
     fsdp_error = None
     try:
         from torch.distributed.device_mesh import init_device_mesh
@@ -103,7 +109,7 @@ def _worker(rank: int, world: int):
             fsdp_error = str(exc)
     except (ImportError, RuntimeError, ValueError) as exc:  # FSDP2 unavailable on this build/device
         fsdp_error = f"unavailable: {exc}"
-    return out, fsdp_error
+    return out, fsdp_error, static_error
 
 
 def _single_process_reference(world: int):
@@ -127,7 +133,8 @@ def test_ddp_two_ranks_equals_full_batch_one_allreduce_per_step():
     world = 2
     results = run_gloo(_worker, world)
     ref = _single_process_reference(world)
-    for rank, (out, fsdp_error) in enumerate(results):
+    for rank, (out, fsdp_error, static_error) in enumerate(results):
+        assert static_error is not None and "static_graph=False" in static_error
         for name, (counts, grads) in out.items():
             # GradCache: one all-reduce per step; cached_encode: one per call (two calls here), each in
             # its node's last re-run chunk -- exact in any backward order since averaging is linear

@@ -28,7 +28,14 @@ def is_ddp(model: nn.Module) -> bool:
 
 
 def check_not_fsdp(model: nn.Module) -> None:
-    """Raise ``NotImplementedError`` (with the reason) if ``model`` or a submodule is FSDP-wrapped."""
+    """Raise ``NotImplementedError`` (with the reason) if ``model`` or a submodule is FSDP-wrapped,
+    or ``ValueError`` for a DDP module built with ``static_graph=True``."""
+    if is_ddp(model) and getattr(model, "static_graph", False):
+        raise ValueError(
+            "GradCache needs DistributedDataParallel(static_graph=False): a cached step runs each chunk's "
+            "forward twice and back-propagates chunk by chunk, which a static graph (one forward and one "
+            "backward per iteration, the same every time) does not allow"
+        )
     kinds = []
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
