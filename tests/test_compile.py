@@ -77,3 +77,19 @@ def test_gradcache_over_a_compiled_encoder_with_dropout():
     other = [torch.cat([compiled(c) for c in t.split(4)]) for t in (x, y)]
     torch.manual_seed(6)
     assert not torch.allclose(torch.cat(other), torch.cat([torch.cat([compiled(c) for c in t.split(4)]) for t in (x, y)]))
+
+
+@pytest.mark.slow
+def test_loss_inside_autocast_compiles_as_one_graph():
+    """The losses turn autocast off with plain nested contexts, which dynamo traces: a step that
+    calls clip_loss inside an autocast region still compiles with fullgraph=True."""
+    torch.manual_seed(0)
+    q, k = torch.randn(24, 8), torch.randn(24, 8)
+
+    def step(q, k):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return bigbatch.clip_loss(q, k, 10.0, backend="torch")
+
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True)(q, k)
+    assert rel_err(got, step(q, k)) <= 1e-6

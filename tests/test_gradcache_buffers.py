@@ -307,3 +307,72 @@ def test_ddp_broadcast_buffers_are_what_a_rerun_reads(api):
 
     for errs in run_gloo(_ddp_buffer_worker, 2, api):
         assert max(errs) < 1e-10, errs
+
+
+class RemembersItsInput(nn.Module):
+    """Re-assigns a buffer to a view of its chunk (the caller's input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 6)
+        self.register_buffer("last", None)
+
+    def forward(self, v):
+        self.last = v.detach()
+        return self.lin(v)
+
+
+class CountsFromFirstCall(nn.Module):
+    """Registers its buffer in the first forward, then reads and updates it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 6)
+
+    def forward(self, v):
+        if not hasattr(self, "step"):
+            self.register_buffer("step", torch.zeros((), dtype=v.dtype))
+        out = self.lin(v) * (1 + self.step)
+        self.step += 0.25
+        return out
+
+
+@pytest.mark.parametrize("api", ["gradcache", "gradcache_nokeep", "cached_encode", "functional"])
+def test_a_buffer_aliasing_the_input_never_writes_into_it(api):
+    """Restoring a re-assigned buffer replaces it; it never copies into the tensor it now holds
+    (here a chunk of the caller's input, which was overwritten before the fix)."""
+    x, y = data(12, 6)
+    x0, y0 = x.clone(), y.clone()
+    torch.manual_seed(0)
+    step_with(api, RemembersItsInput().to(F64), x, y, 4)
+    assert torch.equal(x, x0) and torch.equal(y, y0)
+
+
+@pytest.mark.parametrize("api", ["gradcache", "gradcache_nokeep", "cached_encode", "functional"])
+def test_a_buffer_registered_by_the_first_forward(api):
+    x, y = data(12, 7)
+    torch.manual_seed(0)
+    m = CountsFromFirstCall().to(F64)
+    torch.manual_seed(0)
+    ref = CountsFromFirstCall().to(F64)
+    reference(ref, x, y, 4, seed=1)
+    torch.manual_seed(1)
+    step_with(api, m, x, y, 4)
+    assert torch.equal(m.step, ref.step)
+    check_grads(list(m.parameters()), grads(list(ref.parameters())), 1e-10, f"registered in forward, {api}")
+
+
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode", "functional"])
+def test_lazy_modules(api):
+    """Uninitialised (lazy) buffers and parameters are left to the first forward to materialise."""
+    x, y = data(12, 8)
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 8), nn.LazyBatchNorm1d(), nn.Tanh(), nn.LazyLinear(6)).to(F64)
+
+    m, ref = make(), make()
+    reference(ref, x, y, 4, seed=1)
+    torch.manual_seed(1)
+    step_with(api, m, x, y, 4)
+    check_grads(list(m.parameters()), grads(list(ref.parameters())), 1e-10, f"lazy modules, {api}")

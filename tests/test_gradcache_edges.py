@@ -4,7 +4,7 @@ gradient, inference mode, and cached_encode's autocast setting in a backward run
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -140,3 +140,48 @@ def test_dataclass_batch_holding_a_tensor_that_requires_grad(api, frozen, with_s
     else:
         clip(cached_encode(m, Batch(raw @ w), 3, **kw), m(y)).backward()
     assert_rel(w.grad, ref, 1e-10, "W.grad")
+
+
+@dataclass
+class Prepared:
+    """A non-init field set after construction, and a __post_init__ that must run only once."""
+
+    ids: torch.Tensor
+    weight: torch.Tensor = None  # type: ignore[assignment]
+    scale: torch.Tensor = field(default=None, init=False)  # type: ignore[assignment]
+
+    def __post_init__(self):
+        self.ids = torch.cat([torch.zeros(self.ids.shape[0], 1, dtype=self.ids.dtype), self.ids], 1)
+
+
+class OnPrepared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.EmbeddingBag(40, 8, mode="sum").to(F64)
+
+    def forward(self, b: Prepared):
+        return self.emb(b.ids, per_sample_weights=b.weight) * b.scale
+
+
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
+def test_dataclass_chunks_are_copies_not_rebuilt(api):
+    """Chunks of a dataclass batch keep fields set after construction and do not run
+    __post_init__ again (before: both changed the representations silently)."""
+    g = torch.Generator().manual_seed(3)
+
+    def batch():
+        b = Prepared(torch.randint(1, 40, (9, 5), generator=g), torch.rand(9, 6, generator=g, dtype=F64))
+        b.scale = 1 + torch.rand(9, 1, generator=g, dtype=F64)
+        return b
+
+    x, y = batch(), batch()
+    m = OnPrepared()
+    clip(m(x), m(y)).backward()
+    ref = m.emb.weight.grad.clone()
+    m.zero_grad(set_to_none=True)
+    if api == "gradcache":
+        GradCache(m, 4, clip)(x, y)
+    else:
+        clip(cached_encode(m, x, 4), cached_encode(m, y, 4)).backward()
+    assert_rel(m.emb.weight.grad, ref, 1e-10, "embedding")

@@ -7,29 +7,27 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-@contextlib.contextmanager
-def autocast_disabled() -> Iterator[None]:
-    """Autocast off for every device type on which it is on now (nothing entered otherwise)."""
-    with contextlib.ExitStack() as stack:
-        for device_type in ("cuda", "cpu"):
-            if torch.is_autocast_enabled(device_type):
-                stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
-        yield
+def _off(device_type: str) -> Any:
+    """Autocast off for ``device_type`` if it is on now, else nothing (no warning on a CUDA-less build)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def autocast_off(fn: F) -> F:
-    """Decorate a loss entry point or an autograd Function's backward: it runs without autocast."""
+    """Decorate a loss entry point or an autograd Function's backward: it runs without autocast.
+    Plain nested ``with`` blocks, which ``torch.compile`` traces without a graph break."""
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with autocast_disabled():
+        with _off("cuda"), _off("cpu"):
             return fn(*args, **kwargs)
 
     return wrapped  # type: ignore[return-value]

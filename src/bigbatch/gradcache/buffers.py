@@ -12,9 +12,10 @@ one forward over the whole batch (no chunked scheme's are).
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 
 # Below this many bytes of buffers in all, each chunk records every buffer (a copy each): a
@@ -23,6 +24,18 @@ from torch import Tensor, nn
 RECORD_ALL_BYTES = 16 * 2**20
 
 Slot = Tuple[nn.Module, str]
+
+
+class _Marker:
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __repr__(self) -> str:
+        return self.what
+
+
+ABSENT = _Marker("ABSENT")  # the buffer was not registered yet: restoring removes it
+LAZY = _Marker("LAZY")  # an uninitialised (lazy) buffer: left as it is
 
 
 def _buffer_slots(modules: Iterable[nn.Module]) -> List[Slot]:
@@ -42,21 +55,38 @@ def _get(slot: Slot) -> Optional[Tensor]:
     return slot[0]._buffers.get(slot[1])
 
 
-def _copy(t: Optional[Tensor]) -> Optional[Tensor]:
-    return None if t is None else t.detach().clone()
+def _copy(t: Optional[Tensor]) -> Any:
+    if t is None:
+        return None
+    if is_lazy(t):
+        return LAZY
+    return t.detach().clone()
 
 
-def _put(slot: Slot, value: Optional[Tensor]) -> None:
-    """Give the buffer ``value`` (not aliased: ``value`` stays a snapshot); in place without an
-    autograd version bump when the shapes agree, so the buffer's identity is kept."""
+def _put(slot: Slot, value: Any, original: Optional[Tensor]) -> None:
+    """Give the buffer ``value`` (never aliased: ``value`` stays a snapshot). Copied in place, without
+    an autograd version bump, only into ``original`` -- the tensor the slot held when the snapshot
+    series began -- while the slot still holds it (its identity, which DDP's buffer broadcast relies
+    on, is kept); a buffer that was re-assigned meanwhile may alias anything (a chunk of the
+    caller's input), so it is replaced by a copy instead of written into."""
     mod, name = slot
+    if value is LAZY:
+        return
+    if value is ABSENT:
+        mod._buffers.pop(name, None)
+        return
     buf = mod._buffers.get(name)
     if value is None:
         mod._buffers[name] = None
-    elif buf is not None and buf.shape == value.shape and buf.dtype == value.dtype and buf.device == value.device:
+    elif buf is not None and buf is original and not is_lazy(buf) and buf.shape == value.shape \
+            and buf.dtype == value.dtype and buf.device == value.device:
         buf.data.copy_(value)  # .data: the same storage, not the version counter
     else:
         mod._buffers[name] = value.clone()
+
+
+def _nbytes(value: Any) -> int:
+    return value.numel() * value.element_size() if isinstance(value, Tensor) else 0
 
 
 class BufferStates:
@@ -69,20 +99,24 @@ class BufferStates:
     the buffers seen changing so far -- re-assigned, set or unset, or version-bumped (in-place ops
     and ``out=`` bump it; ``.data`` writes and BatchNorm's running statistics do not, and
     BatchNorm in training mode does not read them) -- and the others read their value from
-    before the first chunk. Memory: one copy of all buffers plus each chunk's record."""
+    before the first chunk. A buffer a forward registers is recorded from then on (absent
+    before: a re-run of an earlier chunk starts without it). Uninitialised (lazy) buffers are
+    left alone. Memory: one copy of all buffers plus each chunk's record."""
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
-        self.slots = _buffer_slots(modules)
-        self.initial = [_copy(_get(slot)) for slot in self.slots]
-        self.record_all = sum(t.numel() * t.element_size() for t in self.initial if t is not None) <= RECORD_ALL_BYTES
+        self.modules = list(modules)
+        self.slots = _buffer_slots(self.modules)
+        self.originals = [_get(slot) for slot in self.slots]
+        self.initial = [_copy(t) for t in self.originals]
+        self.record_all = sum(map(_nbytes, self.initial)) <= RECORD_ALL_BYTES
         self.changing: Dict[int, None] = {}  # slot indices, in the order they were seen changing
         self._marks: List[Tuple[Optional[Tensor], int]] = []
 
     def _mark(self) -> List[Tuple[Optional[Tensor], int]]:
         # the tensor itself (not its id, which a new tensor may reuse) and its version
-        return [(buf, buf._version if buf is not None else -1) for buf in map(_get, self.slots)]
+        return [(buf, -1 if buf is None or is_lazy(buf) else buf._version) for buf in map(_get, self.slots)]
 
-    def before(self) -> Dict[int, Optional[Tensor]]:
+    def before(self) -> Dict[int, Any]:
         self._marks = self._mark()
         keep = range(len(self.slots)) if self.record_all else self.changing
         return {i: _copy(_get(self.slots[i])) for i in keep}
@@ -91,12 +125,19 @@ class BufferStates:
         for i, ((now, v_now), (was, v_was)) in enumerate(zip(self._mark(), self._marks)):
             if (now is not was or v_now != v_was) and i not in self.changing:
                 self.changing[i] = None  # its value before this and every earlier chunk: ``initial``
+        known = {(id(m), n) for m, n in self.slots}
+        for slot in _buffer_slots(self.modules):  # registered by this forward: absent before it
+            if (id(slot[0]), slot[1]) not in known:
+                self.slots.append(slot)
+                self.originals.append(None)
+                self.initial.append(ABSENT)
+                self.changing[len(self.slots) - 1] = None
         self._marks = []
 
-    def restore(self, record: Dict[int, Optional[Tensor]]) -> None:
+    def restore(self, record: Dict[int, Any]) -> None:
         """Put the buffers back to their values before the pass-1 forward of ``record``'s chunk."""
         for i in (range(len(self.slots)) if self.record_all else self.changing):
-            _put(self.slots[i], record[i] if i in record else self.initial[i])
+            _put(self.slots[i], record[i] if i in record else self.initial[i], self.originals[i])
 
 
 @contextlib.contextmanager
@@ -114,10 +155,7 @@ def buffers_restored(modules: Iterable[nn.Module]) -> Iterator[None]:
         yield
     finally:
         for slot, buf, value in saved:
-            if value is not None and _get(slot) is buf:
-                buf.data.copy_(value)
-            else:
-                _put(slot, value)
+            _put(slot, value, buf)
         known = {(id(m), n) for (m, n), _, _ in saved}
         for mod, name in _buffer_slots(modules):
             if (id(mod), name) not in known:

@@ -2,14 +2,15 @@
 
 Inputs are nested structures whose tensor leaves share dimension 0 (the batch): a tensor, a
 mapping (``dict``, ``UserDict``, Hugging Face ``BatchEncoding``: the chunk keeps the type), a
-list or tuple (type kept), a dataclass instance (rebuilt with its ``init`` fields cut; called as
-``model(chunk)``), or luyug-GradCache style ``(args_list, kwargs_dict)``. Other objects are opaque:
+list or tuple (type kept), a dataclass instance (a copy with every field cut, ``__init__`` not
+run again; called as ``model(chunk)``), or luyug-GradCache style ``(args_list, kwargs_dict)``. Other objects are opaque:
 they need a ``split_input_fn``, and tensors inside them are not seen (no input gradients). Non-tensor
 leaves and 0-d tensors are repeated in every chunk. Splitting makes views, never copies.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, List, Optional, Sequence
@@ -23,8 +24,17 @@ def _dataclass(x: Any) -> bool:
 
 
 def _fields(x: Any) -> List[str]:
-    """The fields of a dataclass instance that its constructor takes (a rebuilt copy gets them)."""
-    return [f.name for f in dataclasses.fields(x) if f.init]
+    """The fields of a dataclass instance (``init=False`` ones included)."""
+    return [f.name for f in dataclasses.fields(x)]
+
+
+def _with_fields(x: Any, values: dict) -> Any:
+    """A shallow copy of dataclass instance ``x`` with ``values`` set, without running its
+    ``__init__`` / ``__post_init__`` again (they already ran on ``x``; frozen classes too)."""
+    out = copy.copy(x)
+    for name, v in values.items():
+        object.__setattr__(out, name, v)
+    return out
 
 
 def tensor_leaves(x: Any) -> List[Tensor]:
@@ -128,7 +138,7 @@ def split_rows(x: Any, rows: Sequence[int]) -> List[Any]:
         if isinstance(v, (list, tuple)):
             return _rebuild(v, [cut(w, i) for w in v])
         if _dataclass(v):
-            return dataclasses.replace(v, **{name: cut(getattr(v, name), i) for name in _fields(v)})
+            return _with_fields(v, {name: cut(getattr(v, name), i) for name in _fields(v)})
         return v
 
     return [cut(x, i) for i in range(len(rows))]
@@ -143,7 +153,7 @@ def map_tensors(x: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     if isinstance(x, (list, tuple)):
         return _rebuild(x, [map_tensors(v, fn) for v in x])
     if _dataclass(x):
-        return dataclasses.replace(x, **{name: map_tensors(getattr(x, name), fn) for name in _fields(x)})
+        return _with_fields(x, {name: map_tensors(getattr(x, name), fn) for name in _fields(x)})
     return x
 
 

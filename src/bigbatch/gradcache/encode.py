@@ -19,6 +19,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 from .budget import ChunkProber, MemoryArg, allocated_now, parse_memory, planning_budget
 from .cache import _BUDGET_FRACTION, _identity, check_options, default_budget
@@ -129,6 +130,9 @@ def cached_encode(
         inputs = pin(inputs)
     params = [p for p in model.parameters() if p.requires_grad]
     needs_grad = torch.is_grad_enabled() and (bool(params) or inputs_require_grad(inputs))
+    # the node lists the parameters (for backward(inputs=...)); a lazy one has no shape yet and
+    # changes in place when the first forward materialises it, so it is not listed
+    params = [p for p in params if not is_lazy(p)]
     # inputs that require grad: chunks are cut from boundaries whose gradients the node returns
     bounded, pairs = with_boundaries(inputs, leaves_too=True) if needs_grad else (inputs, [])
     budget = parse_memory(memory_budget)

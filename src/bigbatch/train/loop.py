@@ -448,9 +448,7 @@ def train(
         say(f"resumed from {ckpt} at step {start}/{total}")
     elif d.rank == 0:
         if overwrite:
-            for name in OUTPUT_FILES:
-                p = out / name
-                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+            _remove_outputs(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_json(), indent=2) + "\n", encoding="utf-8")
     d.barrier()
@@ -475,7 +473,12 @@ def train(
     before = next((r["eval"] for r in history if r["step"] == 0), None)
     last = history[-1]["eval"] if history else None
     if start == 0:
-        before = last = run_eval(0)
+        try:
+            before = last = run_eval(0)
+        except Exception:
+            if not resume and d.rank == 0:
+                _remove_outputs(out)
+            raise
         say(f"untrained (step 0): {format_metrics(before)}")
 
     bar = None
@@ -539,9 +542,7 @@ def train(
         # a fresh run that failed in its first step (e.g. a memory budget too small for one row)
         # leaves no half-written output behind, so running again needs no --overwrite
         if not resume and step == 0 and d.rank == 0:
-            for name in OUTPUT_FILES:
-                p = out / name
-                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+            _remove_outputs(out)
         raise
     except KeyboardInterrupt:
         if bar is not None:
@@ -566,6 +567,13 @@ def train(
             say(f"held-out {what} retrieval:\n" + summary_table(before, last))
         say(f"outputs in {out}: metrics.jsonl, metrics.png, results.json, checkpoints/")
     return results
+
+
+def _remove_outputs(out: Path) -> None:
+    """Delete what a run writes in ``out`` (``OUTPUT_FILES``), nothing else."""
+    for name in OUTPUT_FILES:
+        p = out / name
+        shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
 
 
 def _save(out, step, model, opt, scaler, cfg, d: Dist, rng) -> None:
