@@ -270,12 +270,18 @@ def test_probe_leaves_a_lazy_buffer_unset():
     assert m.scale is None
 
 
-def _ddp_buffer_worker(rank: int, world: int, api: str):
+def _ddp_buffer_worker(rank: int, world: int, api: str, record_all: bool):
     """The buffers drift apart across ranks (updated from each rank's data); DDP broadcasts rank 0's
-    at the first forward of a step, and a re-run must read what its first run read (after it)."""
+    at the first forward after a synced backward, and a re-run must read what its first run read
+    (after that broadcast), also when a later node's synced backward re-arms the broadcast
+    (three cached_encode calls) and when only changing buffers are recorded."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from bigbatch.gradcache import buffers
+
+    if not record_all:
+        buffers.RECORD_ALL_BYTES = 0
     torch.manual_seed(0)
     m = reads_its_buffers("running_scale")
     torch.manual_seed(0)
@@ -288,10 +294,16 @@ def _ddp_buffer_worker(rank: int, world: int, api: str):
         if api == "gradcache":
             GradCache(model, chunk_sizes=4, loss_fn=loss_fn)(x, y)
         else:
-            loss_fn(cached_encode(model, x, 4), cached_encode(model, y, 4)).backward()
-        for b in ref.buffers():  # the reference: rank 0's buffers at the step start, chunks in one graph
-            dist.broadcast(b, 0)
-        reference(ref, x, y, 4, seed=step)
+            a, b, c = (cached_encode(model, t, 4) for t in (x, y, x + 1))
+            (loss_fn(a, b) + loss_fn(c, b)).backward()
+        for buf in ref.buffers():  # the reference: rank 0's buffers at the step start, chunks in one graph
+            dist.broadcast(buf, 0)
+        if api == "gradcache":
+            reference(ref, x, y, 4, seed=step)
+        else:
+            torch.manual_seed(step)
+            a, b, c = (torch.cat([ref(ch) for ch in split_batch(t, 4, short_first=True)]) for t in (x, y, x + 1))
+            (loss_fn(a, b) + loss_fn(c, b)).backward()
         for p in ref.parameters():
             dist.all_reduce(p.grad)
             p.grad /= world
@@ -302,11 +314,44 @@ def _ddp_buffer_worker(rank: int, world: int, api: str):
 
 
 @pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
-def test_ddp_broadcast_buffers_are_what_a_rerun_reads(api):
+@pytest.mark.parametrize("record_all", [True, False])
+def test_ddp_broadcast_buffers_are_what_a_rerun_reads(api, record_all):
     from distributed_harness import run_gloo
 
-    for errs in run_gloo(_ddp_buffer_worker, 2, api):
+    for errs in run_gloo(_ddp_buffer_worker, 2, api, record_all):
         assert max(errs) < 1e-10, errs
+
+
+class DropsABuffer(nn.Module):
+    """Registers a scratch buffer in its first forward and deletes it in the next."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 6)
+
+    def forward(self, v):
+        h = self.lin(v)
+        if "tmp" in self._buffers:
+            out = h * (1 + self.tmp)
+            del self._buffers["tmp"]
+        else:
+            self.register_buffer("tmp", h.detach().abs().mean(0))
+            out = h
+        return out
+
+
+@pytest.mark.parametrize("api", ["gradcache", "gradcache_nokeep", "cached_encode", "functional"])
+def test_a_buffer_deleted_by_a_forward_is_absent_again(api):
+    x, y = data(12, 9)
+    torch.manual_seed(0)
+    m = DropsABuffer().to(F64)
+    torch.manual_seed(0)
+    ref = DropsABuffer().to(F64)
+    reference(ref, x, y, 4, seed=1)
+    torch.manual_seed(1)
+    step_with(api, m, x, y, 4)
+    assert set(m._buffers) == set(ref._buffers)
+    check_grads(list(m.parameters()), grads(list(ref.parameters())), 1e-10, f"deleted buffer, {api}")
 
 
 class RemembersItsInput(nn.Module):

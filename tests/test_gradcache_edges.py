@@ -4,6 +4,7 @@ gradient, inference mode, and cached_encode's autocast setting in a backward run
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -185,3 +186,49 @@ def test_dataclass_chunks_are_copies_not_rebuilt(api):
     else:
         clip(cached_encode(m, x, 4), cached_encode(m, y, 4)).backward()
     assert_rel(m.emb.weight.grad, ref, 1e-10, "embedding")
+
+
+@dataclass
+class Derived:
+    """Attributes beyond the fields: one set in __post_init__, one a cached_property; and a
+    __copy__ that returns the object itself (as immutable types do)."""
+
+    feats: torch.Tensor
+
+    def __post_init__(self):
+        self.mask = (self.feats[:, :1] > 0).to(self.feats.dtype) + 1
+
+    @functools.cached_property
+    def shift(self) -> torch.Tensor:
+        return self.feats.sum(1, keepdim=True)
+
+    def __copy__(self):
+        return self
+
+
+class OnDerived(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 8).to(F64)
+
+    def forward(self, b: Derived):
+        return self.lin(b.feats * b.mask + b.shift)
+
+
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
+def test_dataclass_derived_attributes_are_cut_too(api):
+    g = torch.Generator().manual_seed(4)
+    x, y = Derived(torch.randn(10, 6, generator=g, dtype=F64)), Derived(torch.randn(10, 6, generator=g, dtype=F64))
+    x.shift, y.shift  # computed (cached) before the step
+    rows = x.feats.shape[0]
+    m = OnDerived()
+    clip(m(x), m(y)).backward()
+    ref = m.lin.weight.grad.clone()
+    m.zero_grad(set_to_none=True)
+    if api == "gradcache":
+        GradCache(m, 4, clip)(x, y)
+    else:
+        clip(cached_encode(m, x, 4), cached_encode(m, y, 4)).backward()
+    assert x.feats.shape[0] == rows and x.mask.shape[0] == rows  # the caller's batch is untouched
+    assert_rel(m.lin.weight.grad, ref, 1e-10, "derived attributes")

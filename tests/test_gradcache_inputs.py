@@ -106,3 +106,23 @@ def test_cached_encode_autograd_grad_wrt_parameters_is_a_clear_error():
     loss = loss_fn(cached_encode(eq, base, 4), ep(y), temp)
     with pytest.raises(RuntimeError, match="autograd.grad cannot return the encoder's parameter gradients"):
         torch.autograd.grad(loss, [eq[0].weight])
+
+
+def test_cached_encode_lists_lazy_parameters_once_materialised():
+    """A LazyLinear is materialised by pass 1, which runs before the node is made: backward(inputs=
+    [its weight]) reaches it (before: silently no gradient)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(10, 6, generator=g, dtype=F64)
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.LazyLinear(4)).to(F64)
+
+    m, ref = make(), make()
+    torch.manual_seed(1)
+    (ref(x) ** 2).sum().backward(inputs=None)
+    lazy_ref = ref[2].weight.grad.clone()
+    torch.manual_seed(1)
+    (cached_encode(m, x, 4) ** 2).sum().backward(inputs=[m[2].weight])
+    assert_rel(m[2].weight.grad, lazy_ref, 1e-10, "lazy weight")
+    assert m[0].weight.grad is None

@@ -51,13 +51,14 @@ def _buffer_slots(modules: Iterable[nn.Module]) -> List[Slot]:
     return slots
 
 
-def _get(slot: Slot) -> Optional[Tensor]:
-    return slot[0]._buffers.get(slot[1])
+def _get(slot: Slot) -> Any:
+    """The slot's tensor, ``None``, or ``ABSENT`` when the name is no longer registered."""
+    return slot[0]._buffers.get(slot[1], ABSENT)
 
 
-def _copy(t: Optional[Tensor]) -> Any:
-    if t is None:
-        return None
+def _copy(t: Any) -> Any:
+    if t is None or t is ABSENT:
+        return t
     if is_lazy(t):
         return LAZY
     return t.detach().clone()
@@ -78,7 +79,7 @@ def _put(slot: Slot, value: Any, original: Optional[Tensor]) -> None:
     buf = mod._buffers.get(name)
     if value is None:
         mod._buffers[name] = None
-    elif buf is not None and buf is original and not is_lazy(buf) and buf.shape == value.shape \
+    elif buf is not None and original is not None and buf is original and not is_lazy(buf) and buf.shape == value.shape \
             and buf.dtype == value.dtype and buf.device == value.device:
         buf.data.copy_(value)  # .data: the same storage, not the version counter
     else:
@@ -86,7 +87,7 @@ def _put(slot: Slot, value: Any, original: Optional[Tensor]) -> None:
 
 
 def _nbytes(value: Any) -> int:
-    return value.numel() * value.element_size() if isinstance(value, Tensor) else 0
+    return value.numel() * value.element_size() if isinstance(value, Tensor) and not is_lazy(value) else 0
 
 
 class BufferStates:
@@ -100,28 +101,43 @@ class BufferStates:
     and ``out=`` bump it; ``.data`` writes and BatchNorm's running statistics do not, and
     BatchNorm in training mode does not read them) -- and the others read their value from
     before the first chunk. A buffer a forward registers is recorded from then on (absent
-    before: a re-run of an earlier chunk starts without it). Uninitialised (lazy) buffers are
-    left alone. Memory: one copy of all buffers plus each chunk's record."""
+    before: a re-run of an earlier chunk starts without it), and so is one deleted (absent
+    after). Uninitialised (lazy) buffers are left alone: a buffer that the first forward
+    materialises *and reads* in a later chunk is seen by the first chunk's re-run as pass 1 left
+    it (materialise such a module with one forward first). Memory: one copy of all buffers plus
+    each chunk's record."""
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
         self.modules = list(modules)
         self.slots = _buffer_slots(self.modules)
         self.originals = [_get(slot) for slot in self.slots]
-        self.initial = [_copy(t) for t in self.originals]
-        self.record_all = sum(map(_nbytes, self.initial)) <= RECORD_ALL_BYTES
+        self.record_all = sum(map(_nbytes, self.originals)) <= RECORD_ALL_BYTES
+        # the values before the first chunk, taken by its first in-forward record (after DDP's
+        # broadcast: what that forward read), or at the end of its block if none was taken
+        self.initial: Optional[List[Any]] = None
         self.changing: Dict[int, None] = {}  # slot indices, in the order they were seen changing
-        self._marks: List[Tuple[Optional[Tensor], int]] = []
+        self._marks: List[Tuple[Any, int]] = []
 
-    def _mark(self) -> List[Tuple[Optional[Tensor], int]]:
+    def _mark(self) -> List[Tuple[Any, int]]:
         # the tensor itself (not its id, which a new tensor may reuse) and its version
-        return [(buf, -1 if buf is None or is_lazy(buf) else buf._version) for buf in map(_get, self.slots)]
+        return [(buf, buf._version if isinstance(buf, Tensor) and not is_lazy(buf) else -1)
+                for buf in map(_get, self.slots)]
 
-    def before(self) -> Dict[int, Any]:
+    def before(self, provisional: bool = False) -> Dict[int, Any]:
+        """The record of the chunk whose forward starts now. ``provisional``: taken before the
+        forward (outside a DDP wrapper), superseded by the in-forward record when there is one."""
         self._marks = self._mark()
+        if provisional:
+            return {i: _copy(_get(slot)) for i, slot in enumerate(self.slots)}
+        if self.initial is None:
+            self.initial = [_copy(_get(slot)) for slot in self.slots]
         keep = range(len(self.slots)) if self.record_all else self.changing
         return {i: _copy(_get(self.slots[i])) for i in keep}
 
-    def after(self) -> None:
+    def after(self, record: Optional[Dict[int, Any]] = None) -> None:
+        """Close the forward whose record is ``record`` (the first one also fixes ``initial``)."""
+        if self.initial is None:
+            self.initial = [record.get(i, ABSENT) if record else ABSENT for i in range(len(self.slots))]
         for i, ((now, v_now), (was, v_was)) in enumerate(zip(self._mark(), self._marks)):
             if (now is not was or v_now != v_was) and i not in self.changing:
                 self.changing[i] = None  # its value before this and every earlier chunk: ``initial``
@@ -136,6 +152,7 @@ class BufferStates:
 
     def restore(self, record: Dict[int, Any]) -> None:
         """Put the buffers back to their values before the pass-1 forward of ``record``'s chunk."""
+        assert self.initial is not None, "restore() before any record was taken"
         for i in (range(len(self.slots)) if self.record_all else self.changing):
             _put(self.slots[i], record[i] if i in record else self.initial[i], self.originals[i])
 

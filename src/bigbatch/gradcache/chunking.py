@@ -10,7 +10,6 @@ leaves and 0-d tensors are repeated in every chunk. Splitting makes views, never
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, List, Optional, Sequence
@@ -24,15 +23,26 @@ def _dataclass(x: Any) -> bool:
 
 
 def _fields(x: Any) -> List[str]:
-    """The fields of a dataclass instance (``init=False`` ones included)."""
-    return [f.name for f in dataclasses.fields(x)]
+    """The data attributes of a dataclass instance: its fields (``init=False`` ones included)
+    and whatever else its ``__dict__`` holds (attributes set in ``__post_init__``, computed
+    ``cached_property`` values), so that every batched tensor it carries is cut with the rest."""
+    names = [f.name for f in dataclasses.fields(x)]
+    extra = [n for n in getattr(x, "__dict__", {}) if n not in names]
+    return names + extra
 
 
 def _with_fields(x: Any, values: dict) -> Any:
-    """A shallow copy of dataclass instance ``x`` with ``values`` set, without running its
-    ``__init__`` / ``__post_init__`` again (they already ran on ``x``; frozen classes too)."""
-    out = copy.copy(x)
-    for name, v in values.items():
+    """A shallow copy of dataclass instance ``x`` with ``values`` set, built without ``__init__``,
+    ``__post_init__`` or ``__copy__`` (they ran on ``x``, or may return ``x`` itself; frozen and
+    slotted classes too)."""
+    out = object.__new__(type(x))
+    state = dict(getattr(x, "__dict__", {}))
+    for cls in type(x).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            if name not in ("__dict__", "__weakref__") and hasattr(x, name):
+                state[name] = getattr(x, name)
+    state.update(values)
+    for name, v in state.items():
         object.__setattr__(out, name, v)
     return out
 

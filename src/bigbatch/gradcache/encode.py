@@ -19,7 +19,6 @@ from typing import Any, Callable, List, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.nn.parameter import is_lazy
 
 from .budget import ChunkProber, MemoryArg, allocated_now, parse_memory, planning_budget
 from .cache import _BUDGET_FRACTION, _identity, check_options, default_budget
@@ -41,11 +40,11 @@ class _CachedEncode(torch.autograd.Function):
     reaches this node and can restrict which of them are accumulated)."""
 
     @staticmethod
-    def forward(ctx, anchor: Tensor, units: List[Unit], opts: EngineOptions, pairs: Pairs, *tensors: Tensor) -> Tensor:  # type: ignore[override]
-        rep = encode(units, opts, 1)[0]
+    def forward(ctx, anchor: Tensor, rep: Tensor, units: List[Unit], opts: EngineOptions, pairs: Pairs,  # type: ignore[override]
+                *tensors: Tensor) -> Tensor:
         ctx.units, ctx.opts, ctx.boundaries = units, opts, [b for _, b in pairs]
         ctx.params = list(tensors[len(pairs):])
-        return rep
+        return rep.view_as(rep)  # pass 1 ran before the node was made (``cached_encode``)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
@@ -62,7 +61,7 @@ class _CachedEncode(torch.autograd.Function):
         for b in ctx.boundaries:
             in_grads.append(b.grad)
             b.grad = None
-        return (None, None, None, None, *in_grads, *([None] * len(ctx.params)))
+        return (None, None, None, None, None, *in_grads, *([None] * len(ctx.params)))
 
 
 def _targets(params: List[Tensor]) -> Optional[List[Tensor]]:
@@ -130,9 +129,7 @@ def cached_encode(
         inputs = pin(inputs)
     params = [p for p in model.parameters() if p.requires_grad]
     needs_grad = torch.is_grad_enabled() and (bool(params) or inputs_require_grad(inputs))
-    # the node lists the parameters (for backward(inputs=...)); a lazy one has no shape yet and
-    # changes in place when the first forward materialises it, so it is not listed
-    params = [p for p in params if not is_lazy(p)]
+
     # inputs that require grad: chunks are cut from boundaries whose gradients the node returns
     bounded, pairs = with_boundaries(inputs, leaves_too=True) if needs_grad else (inputs, [])
     budget = parse_memory(memory_budget)
@@ -153,4 +150,9 @@ def cached_encode(
     units[-1].keep = keep_last_graph
     finalize_plan(units, ddp_sync)
     anchor = torch.empty(0, device=device, requires_grad=True)
-    return _CachedEncode.apply(anchor, units, opts, pairs, *[o for o, _ in pairs], *params)
+    # pass 1 runs before the node is made, so the node lists the parameters as the first forward
+    # left them (a lazy module's are materialised by then; backward(inputs=...) can name them)
+    with torch.no_grad():
+        rep = encode(units, opts, 1)[0]
+    params = [p for p in model.parameters() if p.requires_grad]
+    return _CachedEncode.apply(anchor, rep, units, opts, pairs, *[o for o, _ in pairs], *params)

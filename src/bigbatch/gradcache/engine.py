@@ -131,7 +131,7 @@ def recording(states: BufferStates, models: Sequence[nn.Module]) -> Iterator[Dic
     forward (inside a DDP wrapper: after DDP broadcast rank 0's buffers, which is what the forward
     reads), and close it after the block. Yields a dict whose ``"record"`` is taken on entry and
     taken again when the first forward starts (if none does, the entry record stands)."""
-    box: Dict[str, Any] = {"record": states.before()}
+    box: Dict[str, Any] = {"record": states.before(provisional=True)}
 
     def hook(mod: nn.Module, args: Any) -> None:
         if not box.get("hooked"):
@@ -144,7 +144,28 @@ def recording(states: BufferStates, models: Sequence[nn.Module]) -> Iterator[Dic
     finally:
         for h in handles:
             h.remove()
-        states.after()
+        states.after(box["record"])
+
+
+@contextlib.contextmanager
+def restoring(states: BufferStates, record: Dict[int, Any], models: Sequence[nn.Module]) -> Iterator[None]:
+    """Restore ``record`` before a re-run and again where the model's own forward starts: inside a
+    DDP wrapper that is after any buffer broadcast, which would otherwise overwrite this rank's
+    record with rank 0's (it runs in the first forward after a synced backward)."""
+    states.restore(record)
+    done = [False]
+
+    def hook(mod: nn.Module, args: Any) -> None:
+        if not done[0]:
+            done[0] = True
+            states.restore(record)
+
+    handles = [(m.module if is_ddp(m) else m).register_forward_pre_hook(hook, prepend=True) for m in models]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _first_run(u: Unit, chunk: Any, opts: EngineOptions, params: List[Any]) -> Tensor:
@@ -257,10 +278,8 @@ def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tens
             u = units[k]
             sync = n == len(rerun) - 1 or opts.ddp_sync == "every_chunk"
             with sync_context(u.model, sync=sync)():
-                if u.buffers is not None:
-                    states, record = u.buffers
-                    states.restore(record)
-                with torch.enable_grad(), u.rng.replay():
+                states, record = u.buffers
+                with restoring(states, record, [u.model]), torch.enable_grad(), u.rng.replay():
                     rep = _rep(opts, u.model, chunk, u.rows)
                 with no_amp(), acc.chunk():
                     torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype), inputs=opts.grad_targets)

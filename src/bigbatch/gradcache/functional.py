@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from .buffers import BufferStates, buffers_restored
 from .chunking import tensor_leaves
-from .engine import compact, recording
+from .engine import compact, recording, restoring
 from .rng import RngState, cuda_devices_of
 
 Reps = Union[Tensor, Tuple[Tensor, ...]]
@@ -112,8 +112,7 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
                     f"the representations passed to the closure of {func.__name__} have no .grad: call it after "
                     "the loss's backward, with the tensors the decorated call returned"
                 )
-            with buffers_restored(modules):
-                states.restore(record)
+            with buffers_restored(modules), restoring(states, record, modules):
                 with torch.enable_grad(), rng.replay(), _AutocastReplay(amp):
                     again = _as_tuple(func(*args, **kwargs), func.__name__)
                 pairs = [(t, g) for t, g in zip(again, grads) if g is not None and t.requires_grad]
