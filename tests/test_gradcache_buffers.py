@@ -234,31 +234,27 @@ class LazyScale(nn.Module):
 
 
 @pytest.mark.parametrize("make", [DataWrittenScale, LazyScale])
-@pytest.mark.parametrize("api", ["gradcache", "gradcache_nokeep", "gradcache_budget", "cached_encode", "functional"])
+@pytest.mark.parametrize("api", ["gradcache", "gradcache_nokeep", "cached_encode", "functional"])
 def test_buffers_written_through_data_or_created_lazily(make, api):
+    m, ref = against_reference(make, api, 5, make.__name__)
+    assert torch.allclose(m.scale, ref.scale, rtol=1e-12)
+
+
+@pytest.mark.parametrize("make", [DataWrittenScale, LazyScale])
+def test_budget_probe_changes_no_buffer(make):
+    """With a budget the probe runs the model first: the step still matches its own chunks."""
     x, y = data(12, 5)
     torch.manual_seed(0)
-    m = make().to(F64)
-    torch.manual_seed(0)
-    ref = make().to(F64)
-    reference(ref, x, y, 4, seed=1)
+    m, ref = make().to(F64), make().to(F64)
+    ref.load_state_dict(m.state_dict())
     torch.manual_seed(1)
-    if api.startswith("gradcache"):
-        kw = {"memory_budget": "3KiB"} if api == "gradcache_budget" else {"chunk_sizes": 4}
-        gc = GradCache(m, loss_fn=loss_fn, keep_last_graph=api != "gradcache_nokeep", **kw)
-        gc(x, y)
-        assert api != "gradcache_budget" or gc.last_chunk_sizes[0] < 12  # the probe ran, and changed nothing
-        if api == "gradcache_budget":  # different chunks than the reference: compare with its own chunks
-            torch.manual_seed(0)
-            ref = make().to(F64)
-            rows = gc.last_chunk_rows
-            torch.manual_seed(1)
-            reps = [torch.cat([ref(c) for c in split_rows(t, r)]) for t, r in zip((x, y), rows)]
-            loss_fn(*reps).backward()
-    else:
-        step_with(api, m, x, y, 4)
+    gc = GradCache(m, loss_fn=loss_fn, memory_budget="3KiB")
+    gc(x, y)
+    assert gc.last_chunk_sizes[0] < 12
+    torch.manual_seed(1)
+    loss_fn(*[torch.cat([ref(c) for c in split_rows(t, r)]) for t, r in zip((x, y), gc.last_chunk_rows)]).backward()
     assert torch.allclose(m.scale, ref.scale, rtol=1e-12)
-    check_grads(list(m.parameters()), grads(list(ref.parameters())), 1e-10, f"{make.__name__} via {api}")
+    check_grads(list(m.parameters()), grads(list(ref.parameters())), 1e-10, f"{make.__name__} with a budget")
 
 
 def test_probe_leaves_a_lazy_buffer_unset():
@@ -342,16 +338,23 @@ class DropsABuffer(nn.Module):
 
 @pytest.mark.parametrize("api", ["gradcache", "gradcache_nokeep", "cached_encode", "functional"])
 def test_a_buffer_deleted_by_a_forward_is_absent_again(api):
-    x, y = data(12, 9)
+    m, ref = against_reference(DropsABuffer, api, 9, "deleted buffer")
+    assert set(m._buffers) == set(ref._buffers)
+
+
+def against_reference(make, api: str, data_seed: int, what: str):
+    """``make()`` twice from seed 0: one model through ``api``, one in the plain chunked loop
+    (4-row chunks, seed 1); their gradients must agree. Returns (model, reference model)."""
+    x, y = data(12, data_seed)
     torch.manual_seed(0)
-    m = DropsABuffer().to(F64)
+    m = make().to(F64)
     torch.manual_seed(0)
-    ref = DropsABuffer().to(F64)
+    ref = make().to(F64)
     reference(ref, x, y, 4, seed=1)
     torch.manual_seed(1)
     step_with(api, m, x, y, 4)
-    assert set(m._buffers) == set(ref._buffers)
-    check_grads(list(m.parameters()), grads(list(ref.parameters())), 1e-10, f"deleted buffer, {api}")
+    check_grads(list(m.parameters()), grads(list(ref.parameters())), 1e-10, f"{what}, {api}")
+    return m, ref
 
 
 class RemembersItsInput(nn.Module):
@@ -395,16 +398,8 @@ def test_a_buffer_aliasing_the_input_never_writes_into_it(api):
 
 @pytest.mark.parametrize("api", ["gradcache", "gradcache_nokeep", "cached_encode", "functional"])
 def test_a_buffer_registered_by_the_first_forward(api):
-    x, y = data(12, 7)
-    torch.manual_seed(0)
-    m = CountsFromFirstCall().to(F64)
-    torch.manual_seed(0)
-    ref = CountsFromFirstCall().to(F64)
-    reference(ref, x, y, 4, seed=1)
-    torch.manual_seed(1)
-    step_with(api, m, x, y, 4)
+    m, ref = against_reference(CountsFromFirstCall, api, 7, "registered in forward")
     assert torch.equal(m.step, ref.step)
-    check_grads(list(m.parameters()), grads(list(ref.parameters())), 1e-10, f"registered in forward, {api}")
 
 
 @pytest.mark.parametrize("api", ["gradcache", "cached_encode", "functional"])
