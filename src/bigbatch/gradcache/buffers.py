@@ -12,10 +12,12 @@ one forward over the whole batch (no chunked scheme's are).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
+
+from .wrappers import is_ddp
 
 
 # Below this many bytes of buffers in all, each chunk records every buffer (a copy each): a
@@ -155,6 +157,47 @@ class BufferStates:
         assert self.initial is not None, "restore() before any record was taken"
         for i in (range(len(self.slots)) if self.record_all else self.changing):
             _put(self.slots[i], record[i] if i in record else self.initial[i], self.originals[i])
+
+
+@contextlib.contextmanager
+def _at_forward_start(models: Sequence[nn.Module], fn: Callable[[], None]) -> Iterator[None]:
+    """Within the block, call ``fn`` once where the first of ``models`` starts its own forward: a
+    forward pre-hook, inside a DDP wrapper on its module, so after DDP's buffer broadcast (which
+    runs in the first forward after a synced backward)."""
+    done = [False]
+
+    def hook(mod: nn.Module, args: Any) -> None:
+        if not done[0]:
+            done[0] = True
+            fn()
+
+    handles = [(m.module if is_ddp(m) else m).register_forward_pre_hook(hook, prepend=True) for m in models]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def recording(states: BufferStates, models: Sequence[nn.Module]) -> Iterator[Dict[str, Any]]:
+    """Around a pass-1 forward: yields a dict whose ``"record"`` (the chunk's) is taken on entry
+    and taken again where the forward starts (what it reads); closed after the block."""
+    box: Dict[str, Any] = {"record": states.before(provisional=True)}
+    with _at_forward_start(models, lambda: box.update(record=states.before())):
+        try:
+            yield box
+        finally:
+            states.after(box["record"])
+
+
+@contextlib.contextmanager
+def restoring(states: BufferStates, record: Dict[int, Any], models: Sequence[nn.Module]) -> Iterator[None]:
+    """Around a pass-2 re-run: ``record`` restored before it and again where its forward starts
+    (a DDP broadcast there would otherwise replace this rank's record with rank 0's)."""
+    states.restore(record)
+    with _at_forward_start(models, lambda: states.restore(record)):
+        yield
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """The two passes of gradient caching over a list of chunk units.
 
-Pass 1 (``encode``): every chunk runs without a graph; its random state is captured first.
+Pass 1 (``encode``): every chunk runs without a graph; its random state is captured first, and
+the buffers its forward reads are recorded (``buffers.py``) so that its re-run reads the same.
 Chunks flagged ``keep`` (a suffix of the pass, chosen to fit the memory budget) run *with* a
 graph that is kept, so pass 2 only back-propagates them: it saves their second forward.
 
@@ -21,13 +22,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from .accumulate import GradAccumulation
-from .buffers import BufferStates, buffers_restored
+from .buffers import BufferStates, buffers_restored, recording, restoring
 from .chunking import call_model, model_device, staged, tensor_leaves
 from .rng import RngState, cuda_devices_of
 from .wrappers import is_ddp, sync_context
@@ -123,49 +124,6 @@ def finalize_plan(units: Sequence[Unit], ddp_sync: str) -> None:
                 u.keep = False
         elif all(u.keep for u in group):
             group[-1].keep = False
-
-
-@contextlib.contextmanager
-def recording(states: BufferStates, models: Sequence[nn.Module]) -> Iterator[Dict[str, Any]]:
-    """Take ``states``' record of a chunk where the first of ``models`` to run starts its own
-    forward (inside a DDP wrapper: after DDP broadcast rank 0's buffers, which is what the forward
-    reads), and close it after the block. Yields a dict whose ``"record"`` is taken on entry and
-    taken again when the first forward starts (if none does, the entry record stands)."""
-    box: Dict[str, Any] = {"record": states.before(provisional=True)}
-
-    def hook(mod: nn.Module, args: Any) -> None:
-        if not box.get("hooked"):
-            box["hooked"] = True
-            box["record"] = states.before()
-
-    handles = [(m.module if is_ddp(m) else m).register_forward_pre_hook(hook, prepend=True) for m in models]
-    try:
-        yield box
-    finally:
-        for h in handles:
-            h.remove()
-        states.after(box["record"])
-
-
-@contextlib.contextmanager
-def restoring(states: BufferStates, record: Dict[int, Any], models: Sequence[nn.Module]) -> Iterator[None]:
-    """Restore ``record`` before a re-run and again where the model's own forward starts: inside a
-    DDP wrapper that is after any buffer broadcast, which would otherwise overwrite this rank's
-    record with rank 0's (it runs in the first forward after a synced backward)."""
-    states.restore(record)
-    done = [False]
-
-    def hook(mod: nn.Module, args: Any) -> None:
-        if not done[0]:
-            done[0] = True
-            states.restore(record)
-
-    handles = [(m.module if is_ddp(m) else m).register_forward_pre_hook(hook, prepend=True) for m in models]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _first_run(u: Unit, chunk: Any, opts: EngineOptions, params: List[Any]) -> Tensor:

@@ -41,9 +41,9 @@ from typing import Any, Callable, List, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .buffers import BufferStates, buffers_restored
+from .buffers import BufferStates, buffers_restored, recording, restoring
 from .chunking import tensor_leaves
-from .engine import compact, recording, restoring
+from .engine import compact
 from .rng import RngState, cuda_devices_of
 
 Reps = Union[Tensor, Tuple[Tensor, ...]]
