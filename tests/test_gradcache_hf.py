@@ -20,14 +20,14 @@ def _cls(out):
     return out.last_hidden_state[:, 0]
 
 
-def _tiny_bert(seed: int):
+def _tiny_bert(seed: int, reentrant: bool = False):
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(seed)
     cfg = BertConfig(vocab_size=97, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                      intermediate_size=32, max_position_embeddings=32)
     model = BertModel(cfg).double().train()
-    model.gradient_checkpointing_enable()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     assert model.is_gradient_checkpointing
     return model
 
@@ -47,8 +47,9 @@ def _flat_grads(params):
 
 
 @pytest.mark.parametrize("api", ["GradCache", "cached_encode"])
-def test_tiny_bert_gradient_checkpointing_dropout(api):
-    mq, mp = _tiny_bert(0), _tiny_bert(1)
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_tiny_bert_gradient_checkpointing_dropout(api, reentrant):
+    mq, mp = _tiny_bert(0, reentrant), _tiny_bert(1, reentrant)
     params = list(mq.parameters()) + list(mp.parameters())
     q, p = _batch(7, 9, 2), _batch(7, 12, 3)
 
@@ -70,6 +71,20 @@ def test_tiny_bert_gradient_checkpointing_dropout(api):
     got = _flat_grads(params)
     err = ((got - ref).norm() / ref.norm()).item()
     assert err <= 1e-10, err
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_memory_budget_probe_with_gradient_checkpointing(reentrant):
+    """The chunk-size probe back-propagates too: reentrant checkpointing refuses autograd.grad, so
+    the probe falls back to a backward whose .grad it sets aside (before: a RuntimeError)."""
+    m = _tiny_bert(0, reentrant)
+    q, p = _batch(12, 9, 2), _batch(12, 9, 3)
+    before = [t.grad for t in m.parameters()]
+    gc = GradCache(m, loss_fn=lambda a, b: bigbatch.clip_loss(a, b, 3.0), get_rep_fn=_cls, memory_budget="80KiB")
+    gc._sizes([m, m], (q, p))  # the probe alone: .grad untouched
+    assert all(t.grad is None for t in m.parameters()) and all(b is None for b in before)
+    gc(q, p)
+    assert gc.last_chunk_sizes[0] < 12 and m.embeddings.word_embeddings.weight.grad is not None
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,10 @@ run forward + backward of two small chunks ``c1 < c2`` and fit ``peak(c) = fixed
   backward (``saved_tensors_hooks``) and ``peak`` is taken as ``2 * act`` (the backward holds the
   activations and their gradients). An estimate; on CPU a budget is a guide, not a guarantee.
 
-The probe uses ``torch.autograd.grad`` (no ``.grad`` is touched), a forked random state and a
-copy of the model's buffers (restored afterwards), so it changes nothing the step can see.
+The probe uses ``torch.autograd.grad`` (no ``.grad`` is touched; for models with reentrant
+activation checkpointing, which refuses it, a ``.backward()`` whose ``.grad`` is set aside and put
+back), a forked random state and a copy of the model's buffers (restored afterwards), so it
+changes nothing the step can see.
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from .buffers import buffers_restored
-from .chunking import batch_size, call_model, model_device, split_batch, tensor_leaves, to_device
+from .chunking import batch_size, call_model, map_tensors, model_device, split_batch, tensor_leaves, to_device
 from .rng import forked_rng
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -139,10 +141,29 @@ def _get_rep(get_rep, out: Any) -> Tensor:
     return rep
 
 
-def _measure(model, x, get_rep, autocast_ctx, params, device) -> Tuple[float, float, float]:
+def _backward(rep: Tensor, targets: List[Tensor], by_grad: bool) -> None:
+    """The probe's backward, leaving every ``.grad`` as it was: ``torch.autograd.grad`` (touches
+    nothing), or -- for models with reentrant activation checkpointing, which refuses
+    ``autograd.grad`` -- ``.backward()`` with the targets' ``.grad`` set aside and put back (a
+    parameter's post-accumulate-grad hooks then see the probe's gradients)."""
+    if by_grad:
+        torch.autograd.grad(rep, targets, grad_outputs=torch.ones_like(rep), allow_unused=True)
+        return
+    old = [t.grad for t in targets]
+    for t in targets:
+        t.grad = None
+    try:
+        rep.backward(torch.ones_like(rep))
+    finally:
+        for t, o in zip(targets, old):
+            t.grad = o
+
+
+def _measure(model, x, get_rep, autocast_ctx, params, device, by_grad: bool = True) -> Tuple[float, float, float]:
     """(peak, act, representation) bytes of one forward + backward of chunk ``x`` (gradients for
-    ``params`` and the chunk's tensors that require grad); with neither (a frozen model fed plain
-    inputs) of its forward alone, without a graph (nothing is held: ``act`` = 0)."""
+    ``params`` and the chunk's tensors that require grad, which ``x`` holds as leaves of its own);
+    with neither (a frozen model fed plain inputs) of its forward alone, without a graph (nothing
+    is held: ``act`` = 0)."""
     params = list(params) + [t for t in tensor_leaves(x) if t.requires_grad]
     train = bool(params)
     if device.type == "cuda":
@@ -154,7 +175,7 @@ def _measure(model, x, get_rep, autocast_ctx, params, device) -> Tuple[float, fl
         act = torch.cuda.memory_allocated(device) - base if train else 0
         rep_bytes = _rep_bytes(rep)
         if train:
-            torch.autograd.grad(rep, params, grad_outputs=torch.ones_like(rep), allow_unused=True)
+            _backward(rep, params, by_grad)
         del rep
         torch.cuda.synchronize(device)
         return float(torch.cuda.max_memory_allocated(device) - base), float(act), rep_bytes
@@ -172,7 +193,7 @@ def _measure(model, x, get_rep, autocast_ctx, params, device) -> Tuple[float, fl
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast_ctx():
         rep = _get_rep(get_rep, call_model(model, x))
-    torch.autograd.grad(rep, params, grad_outputs=torch.ones_like(rep), allow_unused=True)
+    _backward(rep, params, by_grad)
     grads = sum(p.numel() * p.element_size() for p in params)
     return float(2 * saved[0] + grads), float(saved[0]), _rep_bytes(rep)
 
@@ -195,17 +216,28 @@ class ChunkProber:
         device = model_device(model)
         devices = [device.index] if device.type == "cuda" and device.index is not None else []
         with forked_rng(devices), buffers_restored([model]), torch.enable_grad():
-            def measure(c: int) -> Tuple[float, float, float]:
-                return _measure(model, to_device(split_batch(x, c)[0], device), get_rep, autocast_ctx, params, device)
+            def measure(c: int, by_grad: bool) -> Tuple[float, float, float]:
+                # the chunk's tensors that require grad become leaves of the probe's own
+                chunk = map_tensors(to_device(split_batch(x, c)[0], device),
+                                    lambda t: t.detach().requires_grad_() if t.requires_grad else t)
+                return _measure(model, chunk, get_rep, autocast_ctx, params, device, by_grad)
 
-            # On CUDA, a first forward + backward also makes one-time allocations (library
-            # workspaces, lazily built state) that the step does not repeat; counted in the small
-            # probe they flatten the fitted slope and over-size the chunks (the likely cause of
-            # 8% larger query chunks, 1265 vs 1171 rows, in an H200 process whose first GPU work
-            # was the probe). So the small chunk runs once unmeasured first.
-            if device.type == "cuda":
-                measure(c1)
-            points = [(c, *measure(c)) for c in sorted({c1, c2})]
+            def points_of(by_grad: bool) -> List[Tuple[int, float, float, float]]:
+                # On CUDA, a first forward + backward also makes one-time allocations (library
+                # workspaces, lazily built state) that the step does not repeat; counted in the
+                # small probe they flatten the fitted slope and over-size the chunks (the likely
+                # cause of 8% larger query chunks, 1265 vs 1171 rows, in an H200 process whose
+                # first GPU work was the probe). So the small chunk runs once unmeasured first.
+                if device.type == "cuda":
+                    measure(c1, by_grad)
+                return [(c, *measure(c, by_grad)) for c in sorted({c1, c2})]
+
+            try:
+                points = points_of(by_grad=True)
+            except RuntimeError as exc:  # reentrant checkpointing refuses autograd.grad
+                if "use_reentrant" not in str(exc):
+                    raise
+                points = points_of(by_grad=False)
         rep_per_row = points[-1][3] / points[-1][0]
         if len(points) == 1:  # the whole batch is smaller than the first probe: assume no fixed part
             c, peak, act, _ = points[0]
