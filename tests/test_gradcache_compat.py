@@ -88,3 +88,71 @@ def test_same_gradients_as_the_public_gradcache(dropout):
     assert abs(l_pub.item() - l_ours.item()) <= 1e-12 * abs(l_pub.item())
     for a, b in zip(g_ours, g_pub):
         assert_rel(a, b, 1e-10, "grad vs the public GradCache")
+
+
+def _gather_worker(rank: int, world: int):
+    from bigbatch.gradcache import gather_input_tensor
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [3, 5]
+    q, k = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 4, generator=g, dtype=torch.float64)
+    sl = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+    ql, kl = q[sl].clone().requires_grad_(), k[sl].clone().requires_grad_()
+
+    @gather_input_tensor
+    def loss_fn(a, b, *, scale):
+        return bigbatch.clip_loss(a, b, scale)
+
+    loss = loss_fn(ql, kl, scale=3.0) * world  # x world: DDP's averaging then gives the full gradient
+    loss.backward()
+    return loss.detach() / world, ql.grad, kl.grad
+
+
+def test_gather_input_tensor_uneven_ranks():
+    """The public package's distributed decorator: every rank's loss sees the global batch (sizes
+    may differ), only its own rows carry gradient."""
+    from distributed_harness import run_gloo
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(8, 4, generator=g, dtype=torch.float64).requires_grad_()
+    k = torch.randn(8, 4, generator=g, dtype=torch.float64).requires_grad_()
+    ref = bigbatch.clip_loss(q, k, 3.0)
+    ref.backward()
+    out = run_gloo(_gather_worker, 2)
+    rows = [slice(0, 3), slice(3, 8)]
+    for (loss, gq, gk), sl in zip(out, rows):
+        assert torch.allclose(loss, ref.detach(), rtol=1e-12)
+        # the loss x world gives each rank's rows world x their full-batch gradient, which DDP's
+        # averaging of the parameter gradients divides back
+        assert torch.allclose(gq, 2 * q.grad[sl], rtol=1e-10) and torch.allclose(gk, 2 * k.grad[sl], rtol=1e-10)
+
+
+def test_public_constructor_positions_and_attributes():
+    """(models, chunk_sizes, loss_fn, split_input_fn, get_rep_fn, fp16, scaler) by position, as the
+    public package; chunk_sizes kept one per model; get_rep_fn None by default; the loss keeps its shape."""
+    a, b = nn.Linear(3, 4).double(), nn.Linear(3, 4).double()
+    gc = GradCache([a, b], 2, lambda q, p: (q * p).sum().reshape(1), None, None, False, None)
+    assert gc.chunk_sizes == [2, 2] and gc.get_rep_fn is None and gc.fp16 is False
+    gc.chunk_sizes[1] = 3
+    x = torch.randn(5, 3, dtype=torch.float64)
+    loss = gc(x, x)
+    assert loss.shape == (1,) and gc.last_chunk_rows == [[1, 2, 2], [2, 3]]
+
+
+def test_subclass_hook_overrides_are_refused():
+    """A public-GradCache subclass customises it by overriding methods that bigbatch never calls:
+    refused with what to pass instead (before: silently ignored, wrong gradients)."""
+    class Custom(GradCache):
+        def get_reps(self, model_out):
+            return model_out[:, 0]
+
+    with pytest.raises(TypeError, match="overrides get_reps.*get_rep_fn="):
+        Custom(nn.Linear(3, 4), 2, lambda q, p: (q * p).sum())
+
+
+def test_an_input_the_builtin_split_cannot_cut_names_split_input_fn():
+    class Obj:
+        pass
+
+    with pytest.raises(ValueError, match=r"inputs\[1\].*pass split_input_fn="):
+        GradCache(nn.Linear(3, 4), 2, lambda q, p: (q * p).sum())(torch.randn(4, 3), Obj())

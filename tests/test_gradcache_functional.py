@@ -164,8 +164,10 @@ def test_cat_input_tensor_only_concatenates_tensor_lists():
         seen.update(a=a, b=b, c=c, d=d)
 
     t = torch.arange(6.0).view(3, 2)
-    f([t[:1], t[1:]], 2.0, [], d=(t, t))
+    f([t[:1], t[1:]], 2.0, [], d=[t, t])
     assert torch.equal(seen["a"], t) and seen["b"] == 2.0 and seen["c"] == [] and seen["d"].shape == (6, 2)
+    f((t, t), 2.0, [], d=(t, t))  # tuples pass as they are (a pair of weights), as in the public package
+    assert isinstance(seen["a"], tuple) and isinstance(seen["d"], tuple)
 
 
 def test_drop_in_for_the_public_functional_api():

@@ -34,6 +34,9 @@ _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 # the loss's own memory) less the cached representations and their gradients (planning_budget).
 # On an H200 (BERT-base, bf16, 16 GiB) the measured step peaks were 15.12-15.16 GiB.
 _BUDGET_FRACTION = 0.95
+# methods a subclass of the public GradCache overrides to customise it; bigbatch takes callables
+_PUBLIC_HOOKS = ("split_inputs", "get_input_tensors", "model_call", "get_reps", "compute_loss",
+                 "forward_no_grad", "build_cache", "forward_backward")
 _FREE_FRACTION = 0.9  # the default budget: what is allocated now plus this share of the free memory
 
 
@@ -127,15 +130,23 @@ class GradCache:
         loss_fn: Optional[Callable[..., Tensor]] = None,
         split_input_fn: Optional[Callable[[Any, int], List[Any]]] = None,
         get_rep_fn: Optional[Callable[[Any], Tensor]] = None,
-        memory_budget: MemoryArg = None,
+        fp16: bool = False,
         scaler: Optional[Any] = None,
+        *,
+        memory_budget: MemoryArg = None,
         autocast_dtype: Optional[torch.dtype] = None,
         offload_inputs: bool = False,
         offload_reps: bool = False,
         ddp_sync: str = "last_chunk",
         keep_last_graph: bool = True,
-        fp16: bool = False,
     ) -> None:
+        hooks = [n for n in _PUBLIC_HOOKS if hasattr(type(self), n)]
+        if hooks:
+            raise TypeError(
+                f"{type(self).__name__} overrides {', '.join(hooks)}: bigbatch.GradCache does not call the public "
+                "package's hook methods; pass split_input_fn=, get_rep_fn= and loss_fn= (a model_call "
+                "override: wrap the model in an nn.Module) instead"
+            )
         if fp16:
             if autocast_dtype not in (None, torch.float16):
                 raise ValueError(f"fp16=True means autocast_dtype=torch.float16, got autocast_dtype={autocast_dtype!r}")
@@ -154,10 +165,13 @@ class GradCache:
         check_options(autocast_dtype, scaler, ddp_sync)
         if chunk_sizes is not None:
             chunk_sizes = check_chunk_sizes(chunk_sizes)
+        if chunk_sizes is not None and len(chunk_sizes) == 1 and len(self.models) > 1:
+            chunk_sizes = chunk_sizes * len(self.models)  # one per model, as the public package keeps them
         self.chunk_sizes: Optional[List[int]] = chunk_sizes
         self.loss_fn = loss_fn
         self.split_input_fn = split_input_fn
-        self.get_rep_fn = get_rep_fn or _identity
+        self.get_rep_fn = get_rep_fn  # None: the model's output itself
+        self.fp16 = autocast_dtype == torch.float16
         self.memory_budget = parse_memory(memory_budget)
         self.scaler = scaler
         self.autocast_dtype = autocast_dtype
@@ -213,7 +227,7 @@ class GradCache:
         from .engine import _autocast
 
         amp = _autocast(model_device(module), self.autocast_dtype)
-        return self._prober.cost(module, x, self.get_rep_fn, amp, self.autocast_dtype)
+        return self._prober.cost(module, x, self.get_rep_fn or _identity, amp, self.autocast_dtype)
 
     def _plan_keep(self, units: List[Unit], costs, usable: Optional[int], trainable: Sequence[bool]) -> None:
         """Flag the last chunks of pass 1 whose graphs fit ``usable`` bytes (without a budget: the
@@ -260,12 +274,14 @@ class GradCache:
         sizes, costs, usable = self._sizes(models, inputs)
         units: List[Unit] = []
         for i, (m, x, c) in enumerate(zip(models, inputs, sizes)):
+            if self.split_input_fn is None:  # the built-in split needs batched tensors it can see
+                batch_size(x, f"inputs[{i}]", hint="pass split_input_fn= to split another type")
             for chunk in split_chunks(x, c, split_input_fn=self.split_input_fn, from_budget=self.chunk_sizes is None):
                 units.append(Unit(i, m, chunk, chunk_rows(chunk, self.split_input_fn is not None, f"a chunk of inputs[{i}]")))
         self._plan_keep(units, costs, usable, trainable)
         finalize_plan(units, ddp_sync)
         self.last_chunk_sizes, self.last_kept = sizes, sum(u.keep for u in units)
-        opts = EngineOptions(self.get_rep_fn, self.autocast_dtype, self.offload_inputs, self.offload_reps, ddp_sync)
+        opts = EngineOptions(self.get_rep_fn or _identity, self.autocast_dtype, self.offload_inputs, self.offload_reps, ddp_sync)
         try:
             reps = encode(units, opts, len(inputs))
             self.last_chunk_rows = [[u.rows for u in units if u.input_index == i] for i in range(len(inputs))]
@@ -289,7 +305,7 @@ class GradCache:
         finally:
             for u in units:  # never leave a kept graph alive after an error
                 u.kept_rep = None
-        return loss.detach().reshape(())
+        return loss.detach()
 
 
 class _null:

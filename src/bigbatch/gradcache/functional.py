@@ -1,4 +1,4 @@
-"""The public GradCache's functional API (``cached``, ``cat_input_tensor``), made exact.
+"""The public GradCache's functional API (``cached``, ``cat_input_tensor``, ``gather_input_tensor``), made exact.
 
 For loops where the batch arrives in sub-batches (one per data-loader step) and only the
 representations are kept until the loss of the whole accumulated batch is computed::
@@ -144,16 +144,53 @@ class _AutocastReplay:
 
 
 def cat_input_tensor(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate a loss so that every argument that is a list or tuple of tensors is concatenated
-    along dimension 0 first (the per-sub-batch representations of ``cached`` calls)."""
+    """Decorate a loss so that every argument that is a list of tensors is concatenated along
+    dimension 0 first (the per-sub-batch representations of ``cached`` calls); tuples pass as they are."""
 
     @functools.wraps(func)
     def cat_f(*args: Any, **kwargs: Any) -> Any:
         def cat(x: Any) -> Any:
-            if isinstance(x, (list, tuple)) and x and all(isinstance(t, Tensor) for t in x):
-                return torch.cat(list(x), dim=0)
+            if isinstance(x, list) and x and all(isinstance(t, Tensor) for t in x):  # lists only, as the public package
+                return torch.cat(x, dim=0)
             return x
 
         return func(*[cat(a) for a in args], **{k: cat(v) for k, v in kwargs.items()})
 
     return cat_f
+
+
+def _gathered(t: Any, axis: int) -> Any:
+    """``t`` all-gathered from every rank and concatenated on ``axis`` (ranks may hold different
+    sizes there); this rank's part is ``t`` itself, so only it carries a gradient."""
+    import torch.distributed as dist
+
+    if not isinstance(t, Tensor):
+        return t
+    world, rank = dist.get_world_size(), dist.get_rank()
+    size = torch.tensor([t.shape[axis]], device=t.device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    sizes = [int(s) for s in sizes]
+    pad = list(t.shape)
+    pad[axis] = max(sizes) - t.shape[axis]
+    padded = torch.cat([t.detach(), t.new_zeros(pad)], dim=axis) if pad[axis] else t.detach().contiguous()
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    parts = [p.narrow(axis, 0, n) for p, n in zip(parts, sizes)]
+    parts[rank] = t
+    return torch.cat(parts, dim=axis)
+
+
+def gather_input_tensor(func: Callable[..., Any], axis: int = 0) -> Callable[..., Any]:
+    """Decorate a loss so that every tensor argument is all-gathered from the default process group
+    and concatenated on ``axis`` first, as the public package's decorator of that name (uneven
+    sizes across ranks allowed). Each rank's loss then sees the global batch, but only its own
+    rows carry a gradient, so DDP's averaging yields 1/world_size of the full-batch gradient
+    (multiply the loss by the world size for the exact one). bigbatch's own losses with
+    ``group=`` need no gather: their ring gives the exact gradient in O(B) memory."""
+
+    @functools.wraps(func)
+    def gathered_f(*args: Any, **kwargs: Any) -> Any:
+        return func(*[_gathered(a, axis) for a in args], **{k: _gathered(v, axis) for k, v in kwargs.items()})
+
+    return gathered_f
