@@ -87,3 +87,16 @@ def test_rank_and_world_size_mean_the_default_group():
         assert torch.allclose(out["openclip_args"][1], q.grad[rank * 5:rank * 5 + 5] * 2, rtol=1e-9)
         assert "do not match the process group" in out["mismatch"]
     assert torch.allclose(sum(o["openclip_args"][0] for o in res) / 2, ref.detach(), rtol=1e-10)
+
+
+def test_clip_forward_takes_openclip_logit_bias():
+    """OpenCLIP's trainer calls loss(**model_out, output_dict=True) with logit_bias when the model has
+    one: a constant bias changes no softmax loss or gradient; it joins the graph with gradient 0."""
+    q, k = _feats(7, 5, 7).requires_grad_(), _feats(7, 5, 8)
+    bias = torch.tensor(-3.0, dtype=torch.float64, requires_grad=True)
+    ref = bigbatch.clip_loss(q.detach(), k, 3.0)
+    out = bigbatch.ClipLoss()(image_features=q, text_features=k, logit_scale=3.0, logit_bias=bias, output_dict=True)
+    assert set(out) == {"contrastive_loss"} and torch.allclose(out["contrastive_loss"], ref, rtol=1e-12)
+    out["contrastive_loss"].backward()
+    assert bias.grad is not None and bias.grad.item() == 0.0
+    assert torch.is_tensor(bigbatch.ClipLoss()(q, k, 3.0, None))  # positional bias, no dict

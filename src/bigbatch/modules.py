@@ -43,7 +43,7 @@ def openclip_group(group, rank: int, world_size: int, use_horovod: bool):
 
 class ClipLoss(nn.Module):
     """Drop-in for ``open_clip.ClipLoss``: the same constructor arguments and
-    ``forward(image_features, text_features, logit_scale, output_dict=False)``.
+    ``forward(image_features, text_features, logit_scale, logit_bias=None, output_dict=False)``.
 
     ``logit_scale`` is the multiplier (OpenCLIP passes ``model.logit_scale.exp()``).
     ``group`` (or OpenCLIP's ``rank``/``world_size`` of the initialised default group) makes the
@@ -74,9 +74,14 @@ class ClipLoss(nn.Module):
         self.backend = backend
 
     def forward(
-        self, image_features: Tensor, text_features: Tensor, logit_scale, output_dict: bool = False
+        self, image_features: Tensor, text_features: Tensor, logit_scale, logit_bias=None, output_dict: bool = False
     ) -> Union[Tensor, Dict[str, Tensor]]:
+        """``logit_bias`` (OpenCLIP's trainer passes it when the model has one): a constant added to
+        every logit changes neither the softmax loss nor any gradient, so it only joins the graph
+        with its exact gradient, zero (DDP then sees it used, as with OpenCLIP)."""
         loss = clip_loss(image_features, text_features, logit_scale, group=self.group, backend=self.backend)
+        if isinstance(logit_bias, Tensor) and logit_bias.requires_grad:
+            loss = loss + 0.0 * logit_bias.sum()
         return {"contrastive_loss": loss} if output_dict else loss
 
 
