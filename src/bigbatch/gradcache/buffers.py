@@ -129,7 +129,7 @@ class BufferStates:
         """The record of the chunk whose forward starts now. ``provisional``: taken before the
         forward (outside a DDP wrapper), superseded by the in-forward record when there is one."""
         self._marks = self._mark()
-        if provisional:
+        if provisional and self.initial is None:  # it may become ``initial``: every buffer
             return {i: _copy(_get(slot)) for i, slot in enumerate(self.slots)}
         if self.initial is None:
             self.initial = [_copy(_get(slot)) for slot in self.slots]
