@@ -15,19 +15,17 @@ and records the peak memory (the next chunk's embeddings live during the backwar
 
 from __future__ import annotations
 
-import argparse
 
 import torch
 
 import bigbatch.gradcache.cache as cache_mod
-from bigbatch.bench.common import hardware, matmul_tflops
-from bigbatch.bench.gradcache import DualEncoder, _rep
+from bigbatch.bench.gradcache import _rep
 from bigbatch.gradcache import GradCache, engine
 from bigbatch.gradcache.accumulate import GradAccumulation
 from bigbatch.gradcache.buffers import buffers_restored
 from bigbatch.gradcache.chunking import model_device, staged
 
-from gradcache_fused_ab import full_step, interleaved, record
+from gradcache_fused_ab import ab_setup, full_step, interleaved, record
 
 
 def backprop_deferred(units, grads, opts):
@@ -61,18 +59,9 @@ def backprop_deferred(units, grads, opts):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", type=int, nargs="+", default=[1024, 2048])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    device = torch.device("cuda")
-    setup = DualEncoder(device)
+    args, device, setup, out = ab_setup("gradcache_deferred_backward_probe", [1024, 2048], 3, 3)
     mq, mp, loss_fn, params = setup.mq, setup.mp, setup.loss_fn, setup.params
     gc = GradCache([mq, mp], memory_budget="16GiB", loss_fn=loss_fn, get_rep_fn=_rep, autocast_dtype=torch.bfloat16)
-    out = {"experiment": "gradcache_deferred_backward_probe", "hardware": hardware(), "args": vars(args),
-           "bf16_matmul_tflops": matmul_tflops(), "rows": []}
     default_backprop = cache_mod.backprop
 
     def use(deferred: bool):

@@ -72,20 +72,29 @@ def full_step(setup, b: int, device):
     return qi, pi, full
 
 
-def main() -> None:
+def ab_setup(name: str, batches, rounds: int, repeat: int, budget: bool = False):
+    """The common start of these A/B experiments: their command line (batches, interleaved
+    rounds x repeats, output path), the benchmark's dual encoder on the GPU, and the result dict.
+    Returns (args, device, setup, out)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", type=int, nargs="+", default=[1024, 2048])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--budget", default="16GiB")
+    ap.add_argument("--batches", type=int, nargs="+", default=batches)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--repeat", type=int, default=repeat)
+    if budget:
+        ap.add_argument("--budget", default="16GiB")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     device = torch.device("cuda")
     setup = DualEncoder(device)
+    out = {"experiment": name, "hardware": hardware(), "args": vars(args),
+           "bf16_matmul_tflops": matmul_tflops(), "rows": []}
+    return args, device, setup, out
+
+
+def main() -> None:
+    args, device, setup, out = ab_setup("gradcache_fused_ab", [1024, 2048], 3, 3, budget=True)
     mq, mp, loss_fn = setup.mq, setup.mp, setup.loss_fn
     gc = GradCache([mq, mp], memory_budget=args.budget, loss_fn=loss_fn, get_rep_fn=_rep, autocast_dtype=torch.bfloat16)
-    out = {"experiment": "gradcache_fused_ab", "hardware": hardware(), "args": vars(args),
-           "bf16_matmul_tflops": matmul_tflops(), "rows": []}
 
     for b in args.batches:
         qi, pi, full = full_step(setup, b, device)

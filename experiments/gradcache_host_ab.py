@@ -15,18 +15,16 @@ The setting of ``bigbatch.bench.gradcache``. Variants, interleaved with the full
 
 from __future__ import annotations
 
-import argparse
 import gc
 
 import torch
 
 import bigbatch.gradcache.cache as cache_mod
-from bigbatch.bench.common import hardware, matmul_tflops
-from bigbatch.bench.gradcache import DualEncoder, _rep
+from bigbatch.bench.gradcache import _rep
 from bigbatch.gradcache import GradCache
 
 from gradcache_chunk_shape_probe import GIB, peak_gib
-from gradcache_fused_ab import full_step, interleaved, record
+from gradcache_fused_ab import ab_setup, full_step, interleaved, record
 
 
 def gc_time(fn):
@@ -53,17 +51,8 @@ def gc_time(fn):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", type=int, nargs="+", default=[2048, 1024])
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    device = torch.device("cuda")
-    setup = DualEncoder(device)
+    args, device, setup, out = ab_setup("gradcache_host_ab", [2048, 1024], 4, 2)
     kw = dict(loss_fn=setup.loss_fn, get_rep_fn=_rep, autocast_dtype=torch.bfloat16, memory_budget="16GiB")
-    out = {"experiment": "gradcache_host_ab", "hardware": hardware(), "args": vars(args),
-           "bf16_matmul_tflops": matmul_tflops(), "rows": []}
     default, f98 = GradCache([setup.mq, setup.mp], **kw), GradCache([setup.mq, setup.mp], **kw)
 
     for b in args.batches:
