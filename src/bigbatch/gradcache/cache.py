@@ -91,16 +91,19 @@ class GradCache:
         loss_fn: ``loss_fn(*reps, **loss_kwargs) -> scalar``; may have parameters of its own (a learned
             head, a logit scale): they get exact full-batch gradients.
         split_input_fn: ``(inputs, chunk_size) -> list of chunks``; default splits tensors, mappings
-            (dict, BatchEncoding), lists and tuples along dimension 0.
-        get_rep_fn: model output -> (rows, ...) representation tensor; default: the output itself.
+            (dict, BatchEncoding), lists, tuples and dataclasses along dimension 0.
+        get_rep_fn: model output -> (rows, ...) representation tensor; default (``None``): the output itself.
+        fp16: the public GradCache's switch: ``autocast_dtype=torch.float16``, which needs ``scaler``.
+        scaler: a ``torch.amp.GradScaler`` (fp16): the loss is scaled before the cache is built, so the
+            cached gradients and the parameter gradients are scaled; call ``scaler.step``/``update`` after.
+            Non-finite cached gradients propagate to ``.grad`` so the scaler skips that step.
+
+    Keyword-only (bigbatch's own; the arguments above keep the public package's positions):
         memory_budget: bytes or a string like ``"16GiB"``: the step's peak memory. On CUDA the device's
             whole allocation (``torch.cuda.memory_allocated``), so what is allocated when the step starts
             (weights, optimizer state, ``.grad``) counts; default: that plus 90% of the free memory. On the
             CPU (no allocator statistics) the memory the step adds, estimated; a budget or chunk sizes
             are required there.
-        scaler: a ``torch.amp.GradScaler`` (fp16): the loss is scaled before the cache is built, so the
-            cached gradients and the parameter gradients are scaled; call ``scaler.step``/``update`` after.
-            Non-finite cached gradients propagate to ``.grad`` so the scaler skips that step.
         autocast_dtype: run encoders and loss under ``torch.autocast`` with this dtype (bf16/fp16).
         offload_inputs: keep inputs on the CPU (pinned); each chunk is copied to the model's device on a
             side stream, overlapped with the previous chunk's compute.
@@ -108,13 +111,13 @@ class GradCache:
         ddp_sync: ``"last_chunk"`` (DDP all-reduces once per step) or ``"every_chunk"``.
         keep_last_graph: keep the graph of the last chunk(s) of pass 1 when the budget allows, instead of
             re-running them (one chunk's forward saved per step).
-        fp16: the public GradCache's switch: ``autocast_dtype=torch.float16``, which needs ``scaler``.
 
     ``gc(..., no_sync_except_last=True/False)`` is accepted as in the public GradCache and sets
     ``ddp_sync`` for that step (``"last_chunk"`` / ``"every_chunk"``); it is not passed to ``loss_fn``.
 
     Calling ``gc(*inputs, **loss_kwargs)`` runs one cached step: it accumulates into ``.grad`` of every
-    parameter (encoders and loss) and returns the detached, unscaled loss. Buffers that a forward
+    parameter (encoders and loss) and returns the detached, unscaled loss (in ``loss_fn``'s shape).
+    Buffers that a forward
     updates (BatchNorm's running statistics) are updated once per chunk, as in a plain chunked loop;
     BatchNorm in training mode normalises each chunk with that chunk's statistics.
 
