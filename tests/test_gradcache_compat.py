@@ -105,6 +105,8 @@ def _gather_worker(rank: int, world: int):
 
     loss = loss_fn(ql, kl, scale=3.0) * world  # x world: DDP's averaging then gives the full gradient
     loss.backward()
+    columns = gather_input_tensor(lambda a: a, axis=1)(q[sl].T.contiguous())  # another axis
+    assert torch.equal(columns, q.T)
     return loss.detach() / world, ql.grad, kl.grad
 
 

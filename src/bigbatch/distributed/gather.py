@@ -17,6 +17,16 @@ from .ring import Ring
 from .._amp import autocast_off
 
 
+def all_gather_rows(x: Tensor, ring: Ring, sizes: Sequence[int]) -> List[Tensor]:
+    """Every rank's ``x`` (``sizes[r]`` rows on rank r, the same other dimensions), in rank order,
+    without gradient: padded to the largest for one ``all_gather``, then cut back."""
+    padded = x.detach().new_zeros((max(sizes),) + tuple(x.shape[1:]))
+    padded[: x.shape[0]] = x.detach()
+    parts: List[Tensor] = [torch.empty_like(padded) for _ in range(ring.world)]
+    dist.all_gather(parts, padded, group=ring.group)
+    return [p[:n] for p, n in zip(parts, sizes)]
+
+
 class _GatherWithGrad(torch.autograd.Function):
     """Concatenate every rank's shard (sizes may differ) into the global batch, with gradient.
 
@@ -30,12 +40,7 @@ class _GatherWithGrad(torch.autograd.Function):
         ctx.ring, ctx.sizes = ring, list(sizes)
         if ring.world == 1:
             return x.clone()
-        width = max(sizes)
-        padded = x.new_zeros((width,) + tuple(x.shape[1:]))
-        padded[: x.shape[0]] = x
-        parts: List[Tensor] = [torch.empty_like(padded) for _ in range(ring.world)]
-        dist.all_gather(parts, padded, group=ring.group)
-        return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+        return torch.cat(all_gather_rows(x, ring, sizes))
 
     @staticmethod
     @autocast_off

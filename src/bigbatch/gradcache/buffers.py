@@ -193,8 +193,9 @@ def recording(states: BufferStates, models: Sequence[nn.Module]) -> Iterator[Dic
 
 @contextlib.contextmanager
 def restoring(states: BufferStates, record: Dict[int, Any], models: Sequence[nn.Module]) -> Iterator[None]:
-    """Around a pass-2 re-run: ``record`` restored before it and again where its forward starts
-    (a DDP broadcast there would otherwise replace this rank's record with rank 0's)."""
+    """Around a pass-2 re-run: ``record`` restored before it (a module called as ``.forward()``
+    runs no hooks) and again where its forward starts (a DDP broadcast there would otherwise
+    replace this rank's record with rank 0's). Both copy only the recorded buffers."""
     states.restore(record)
     with _at_forward_start(models, lambda: states.restore(record)):
         yield

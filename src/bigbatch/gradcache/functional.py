@@ -160,24 +160,19 @@ def cat_input_tensor(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _gathered(t: Any, axis: int) -> Any:
-    """``t`` all-gathered from every rank and concatenated on ``axis`` (ranks may hold different
-    sizes there); this rank's part is ``t`` itself, so only it carries a gradient."""
-    import torch.distributed as dist
-
+    """``t`` all-gathered from every rank of the default group and concatenated on ``axis`` (ranks
+    may hold different sizes there); this rank's part is ``t`` itself, so only it carries a gradient."""
     if not isinstance(t, Tensor):
         return t
-    world, rank = dist.get_world_size(), dist.get_rank()
-    size = torch.tensor([t.shape[axis]], device=t.device)
-    sizes = [torch.empty_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size)
-    sizes = [int(s) for s in sizes]
-    pad = list(t.shape)
-    pad[axis] = max(sizes) - t.shape[axis]
-    padded = torch.cat([t.detach(), t.new_zeros(pad)], dim=axis) if pad[axis] else t.detach().contiguous()
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded)
-    parts = [p.narrow(axis, 0, n) for p, n in zip(parts, sizes)]
-    parts[rank] = t
+    import torch.distributed as dist
+
+    from ..distributed.gather import all_gather_rows
+    from ..distributed.ring import Ring, agree
+
+    ring = Ring.of(dist.group.WORLD)
+    sizes = [int(n) for n in agree(ring, t.device, {"rows": t.shape[axis]}, what="gather_input_tensor")["rows"]]
+    parts = [p.movedim(0, axis) for p in all_gather_rows(t.movedim(axis, 0), ring, sizes)]
+    parts[ring.rank] = t
     return torch.cat(parts, dim=axis)
 
 
