@@ -127,8 +127,8 @@ def cached_encode(
     get_rep = get_rep_fn or _identity
     if offload_inputs:
         inputs = pin(inputs)
-    params = [p for p in model.parameters() if p.requires_grad]
-    needs_grad = torch.is_grad_enabled() and (bool(params) or inputs_require_grad(inputs))
+    trained = any(p.requires_grad for p in model.parameters())
+    needs_grad = torch.is_grad_enabled() and (trained or inputs_require_grad(inputs))
 
     # inputs that require grad: chunks are cut from boundaries whose gradients the node returns
     bounded, pairs = with_boundaries(inputs, leaves_too=True) if needs_grad else (inputs, [])
@@ -138,8 +138,9 @@ def cached_encode(
         budget = budget or default_budget(device)
         module = model.module if is_ddp(model) else model
         cost = _PROBER.cost(module, bounded, get_rep, _autocast(device, autocast_dtype), autocast_dtype)
-        cached = 0.0 if offload_reps else cost.cached(batch_size(inputs))
-        chunk_size = cost.largest_chunk(planning_budget(budget, _BUDGET_FRACTION, cached, allocated_now([device])), batch_size(inputs))
+        b = batch_size(inputs)
+        cached = 0.0 if offload_reps else cost.cached(b)
+        chunk_size = cost.largest_chunk(planning_budget(budget, _BUDGET_FRACTION, cached, allocated_now([device])), b)
     chunks = split_chunks(bounded, chunk_size, split_input_fn=split_input_fn, from_budget=sized_from_budget)
     units = [Unit(0, model, c, chunk_rows(c, split_input_fn is not None, "a chunk of inputs")) for c in chunks]
     # no autocast at the forward: none in the backward's re-runs either, whatever region it runs in
