@@ -61,3 +61,27 @@ def test_local_error_on_one_rank_raises_on_every_rank():
         assert t1 == exc_type.__name__, f"{loss}/{bad}: rank 1 raised {t1}: {m1}"
         assert t0 == "ValueError", f"{loss}/{bad}: the healthy rank got {t0}"
         assert "rank(s) [1]" in m0 and m1.split(" got")[0][:20] in m0, f"{loss}/{bad}: {m0!r} vs {m1!r}"
+
+
+def _double_backward(rank: int, world: int):
+    out = []
+    for loss in ("clip", "infonce", "siglip"):
+        torch.manual_seed(rank)
+        q = torch.randn(4 + rank, 3, requires_grad=True)
+        k = torch.randn(4 + rank, 3, requires_grad=True)
+        if loss == "siglip":
+            value = bigbatch.siglip_loss(q, k, 2.0, -1.0, group=dist.group.WORLD)
+        else:
+            value = (bigbatch.clip_loss if loss == "clip" else bigbatch.infonce_loss)(q, k, 2.0, group=dist.group.WORLD)
+        try:
+            torch.autograd.grad(value, q, create_graph=True)
+            out.append("no error")
+        except RuntimeError as exc:
+            out.append(str(exc))
+        dist.barrier()  # nobody is left inside the ring's collectives
+    return out
+
+
+def test_double_backward_through_the_ring_is_a_clear_error_on_every_rank():
+    for per_rank in run_gloo(_double_backward, 2, timeout=120.0):
+        assert all("first-order gradients only" in msg for msg in per_rank), per_rank

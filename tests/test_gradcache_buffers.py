@@ -233,14 +233,44 @@ class LazyScale(nn.Module):
         return h * prev
 
 
-@pytest.mark.parametrize("make", [DataWrittenScale, LazyScale])
+class FrozenParamScale(DataWrittenScale):
+    """The same state kept as ``nn.Parameter(..., requires_grad=False)``, as EMA codebooks often are
+    (rel. error 0.38 before such parameters were recorded like buffers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.scale
+        self.scale = nn.Parameter(torch.ones(6), requires_grad=False)
+
+
+@pytest.mark.parametrize("make", [DataWrittenScale, LazyScale, FrozenParamScale])
 @pytest.mark.parametrize("api", ["gradcache", "gradcache_nokeep", "cached_encode", "functional"])
 def test_buffers_written_through_data_or_created_lazily(make, api):
     m, ref = against_reference(make, api, 5, make.__name__)
     assert torch.allclose(m.scale, ref.scale, rtol=1e-12)
 
 
-@pytest.mark.parametrize("make", [DataWrittenScale, LazyScale])
+def test_state_parameters_keep_their_identity():
+    """A restored frozen parameter is written in place: optimizers and hooks keep holding it."""
+    torch.manual_seed(0)
+    m = FrozenParamScale().to(F64)
+    held = m.scale
+    x, y = data(12, 5)
+    step_with("gradcache_nokeep", m, x, y, 4)
+    assert m.scale is held and isinstance(m.scale, nn.Parameter) and not m.scale.requires_grad
+
+
+def test_many_frozen_parameters_are_taken_for_frozen_weights(monkeypatch):
+    """Beyond RECORD_ALL_BYTES of them (a frozen tower) frozen parameters are not copied per chunk."""
+    from bigbatch.gradcache import buffers
+
+    m = FrozenParamScale().to(F64)
+    assert any(s[1] == "_parameters" for s in buffers.BufferStates([m]).slots)
+    monkeypatch.setattr(buffers, "RECORD_ALL_BYTES", 8)
+    assert not any(s[1] == "_parameters" for s in buffers.BufferStates([m]).slots)
+
+
+@pytest.mark.parametrize("make", [DataWrittenScale, LazyScale, FrozenParamScale])
 def test_budget_probe_changes_no_buffer(make):
     """With a budget the probe runs the model first: the step still matches its own chunks."""
     x, y = data(12, 5)

@@ -228,3 +228,110 @@ def test_dataclass_derived_attributes_are_cut_too(api):
     m = OnDerived()
     full_vs_cached(m, x, y, api, m.lin.weight)
     assert x.feats.shape[0] == 10 and x.mask.shape[0] == 10  # the caller's batch is untouched
+
+
+def test_a_budget_with_chunk_sizes_names_memory_budget_for_an_opaque_batch():
+    x = Opaque(torch.randn(4, 6, dtype=F64))
+    opaque_split = lambda b, c: [Opaque(b.feats[i:i + c]) for i in range(0, len(b.feats), c)]  # noqa: E731
+    with pytest.raises(ValueError, match="drop memory_budget"):
+        GradCache(OnBatch(), 2, clip, split_input_fn=opaque_split, memory_budget="1MiB")(x, x)
+
+
+class EvalTransformer(nn.Module):
+    """PyTorch's own transformer encoder in eval mode with a padding mask, mean-pooled over every
+    position: without grad it takes the inference fast path, where padded positions come out as
+    zeros (nested tensors); with grad they are computed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2).to(F64).eval()
+
+    def forward(self, x, pad):
+        return self.enc(x, src_key_padding_mask=pad).mean(1)
+
+
+@pytest.mark.parametrize("api", ["gradcache", "gradcache_nokeep", "cached_encode", "functional"])
+def test_pass_one_takes_the_path_of_a_forward_with_grad(api):
+    """Pass 1 mirrors grad mode for such a model, so its cached representations are those the
+    re-run reproduces (rel. error 0.79 in float64 when pass 1 ran without grad)."""
+    from bigbatch.gradcache import cached
+    from bigbatch.gradcache.chunking import split_batch
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 5, 8, generator=g, dtype=F64), torch.randn(8, 5, 8, generator=g, dtype=F64)
+    pad = torch.zeros(8, 5, dtype=torch.bool)
+    pad[:, 3:] = True
+    m = EvalTransformer()
+    with torch.no_grad():
+        fast = m(x, pad)
+    assert (fast - m(x, pad)).abs().max() > 0.1  # the two paths really differ here
+    ref = [torch.cat([m(*c) for c in split_batch((t, pad), 3, short_first=True)]) for t in (x, y)]
+    clip(*ref).backward()
+    expected = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(set_to_none=True)
+    if api.startswith("gradcache"):
+        GradCache(m, 3, clip, keep_last_graph=api == "gradcache")((x, pad), (y, pad))
+    elif api == "cached_encode":
+        clip(cached_encode(m, (x, pad), 3), cached_encode(m, (y, pad), 3)).backward()
+    else:
+        enc = cached(lambda model, v, p: model(v, p))
+        outs = [(i, enc(m, *c)) for i, t in enumerate((x, y)) for c in split_batch((t, pad), 3, short_first=True)]
+        clip(*[torch.cat([r for j, (r, _) in outs if j == i]) for i in (0, 1)]).backward()
+        for _, (r, f) in outs:
+            f(r)
+    for p, e in zip(m.parameters(), expected):
+        assert_rel(p.grad, e, 1e-10, f"eval-mode transformer via {api}")
+
+
+def test_cached_encode_output_can_be_modified_in_place():
+    from bigbatch.gradcache.chunking import split_batch
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.2)).to(F64)
+    x, y = torch.randn(10, 6, dtype=F64), torch.randn(10, 6, dtype=F64)
+    torch.manual_seed(1)
+    ref = [torch.cat([m(c) for c in split_batch(t, 3, short_first=True)]) for t in (x, y)]
+    torch.manual_seed(1)
+    q, k = cached_encode(m, x, 3), cached_encode(m, y, 3)
+    q.mul_(2.0)
+    clip(q, k).backward()
+    expected = torch.autograd.grad(clip(ref[0] * 2.0, ref[1]), list(m.parameters()))
+    for p, e in zip(m.parameters(), expected):
+        assert_rel(p.grad, e, 1e-10, "in-place op on cached_encode's output")
+
+
+@pytest.mark.parametrize("how", ["backward", "grad_wrt_input"])
+def test_cached_encode_refuses_create_graph(how):
+    """Its re-runs accumulate constant gradients: a double backward would miss their second-order
+    terms silently, so it is an error."""
+    x = torch.randn(6, 4, dtype=F64, requires_grad=True)
+    m = nn.Linear(4, 3).to(F64)
+    if how == "grad_wrt_input":
+        m.requires_grad_(False)
+    rep = cached_encode(m, x, 2)
+    with pytest.raises(RuntimeError, match="first-order gradients only.*create_graph=True"):
+        if how == "backward":
+            (rep ** 2).sum().backward(create_graph=True)
+        else:
+            torch.autograd.grad((rep ** 2).sum(), x, create_graph=True)
+
+
+def test_budget_is_re_planned_when_a_tower_is_unfrozen():
+    """The probe's cost is per trainability: a tower frozen for warm-up builds no graph; once
+    unfrozen its chunks must be planned for forward + backward again."""
+    torch.manual_seed(0)
+    q_enc = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 8)).to(F64)
+    p_enc = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 8)).to(F64)
+    x, y = torch.randn(256, 16, dtype=F64), torch.randn(256, 16, dtype=F64)
+    gc = GradCache([q_enc, p_enc], loss_fn=clip, memory_budget="2MiB")
+    p_enc.requires_grad_(False)
+    gc(x, y)
+    frozen = list(gc.last_chunk_sizes)
+    p_enc.requires_grad_(True)
+    gc(x, y)
+    fresh = GradCache([q_enc, p_enc], loss_fn=clip, memory_budget="2MiB")
+    fresh(x, y)
+    assert gc.last_chunk_sizes == fresh.last_chunk_sizes
+    assert gc.last_chunk_sizes[1] < frozen[1]

@@ -222,12 +222,41 @@ def test_auto_backend_on_cpu_is_torch_tiles():
     assert isinstance(resolve_backend("auto", torch.device("cpu")), TorchTiles)
 
 
-def test_double_backward_is_an_error_not_a_wrong_answer():
-    """The tile Functions are first-order only: asking for a second derivative must fail loudly."""
-    q, k = features(6, 3, seed=20), features(6, 3, seed=21)
-    (g,) = torch.autograd.grad(bigbatch.clip_loss(q, k, 2.0, backend="torch"), q, create_graph=True)
-    with pytest.raises(RuntimeError):
-        g.sum().backward()
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("loss", ["clip", "infonce", "siglip"])
+@pytest.mark.parametrize("how", ["penalty", "hessian"])
+def test_double_backward_is_a_clear_error(backend, loss, how, monkeypatch):
+    """The tiled backwards recompute tiles without a graph: a create_graph=True backward through them
+    would miss every second-order term (it returned zeros and wrong penalty gradients, silently)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q = torch.randn(6, 4, dtype=torch.float32, requires_grad=True)
+    k = torch.randn(6, 4, dtype=torch.float32, requires_grad=True)
+    scale = torch.tensor(2.0, requires_grad=True)
+
+    def f(q, k, scale):
+        if loss == "siglip":
+            return bigbatch.siglip_loss(q, k, scale, -1.0, backend=backend)
+        fn = bigbatch.clip_loss if loss == "clip" else bigbatch.infonce_loss
+        return fn(q, k, scale, backend=backend)
+
+    with pytest.raises(RuntimeError, match="first-order gradients only.*backend='reference'"):
+        if how == "penalty":
+            (g,) = torch.autograd.grad(f(q, k, scale), q, create_graph=True)
+            (g ** 2).sum().backward()
+        else:
+            torch.autograd.functional.hessian(lambda s: f(q.detach(), k.detach(), s), scale.detach())
+
+
+def test_reference_backend_gives_second_derivatives():
+    q, k = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    s = torch.tensor(2.0, dtype=torch.float64)
+    h = torch.autograd.functional.hessian(lambda s: bigbatch.clip_loss(q, k, s, backend="reference"), s)
+    eps = 1e-4
+    g = lambda s: torch.autograd.grad(bigbatch.clip_loss(q, k, s.requires_grad_(), backend="reference"), s)[0]  # noqa: E731
+    fd = (g(s + eps) - g(s - eps)) / (2 * eps)
+    assert torch.allclose(h, fd, rtol=1e-6)
 
 
 @pytest.mark.parametrize("loss", ["clip", "infonce", "siglip"])

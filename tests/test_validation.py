@@ -30,6 +30,10 @@ CLIP_CASES = [
     (ok(), ok(), torch.tensor(2), {}, TypeError, "scale must be a floating tensor"),
     (ok(), ok(), float("inf"), {}, ValueError, "scale must be finite"),
     (ok(), ok(), 10**400, {}, ValueError, "scale must be finite in float64"),
+    (ok(), ok(), 1e39, {}, ValueError, "scale must be finite in the loss's compute dtype torch.float32"),
+    (ok(), ok(), 10**39, {}, ValueError, "scale must be finite in the loss's compute dtype"),
+    (ok().to_sparse(), ok(), 1.0, {}, TypeError, "image_features must be a dense"),
+    (ok(), ok().to_sparse_csr(), 1.0, {}, TypeError, "text_features must be a dense"),
     (ok(), ok(), True, {}, TypeError, "scale must be a float"),
     (ok(), ok(), 1.0, {"backend": "cuda-magic"}, ValueError, "backend must be one of"),
     (ok(), ok(), 1.0, {"backend": 3}, TypeError, "backend must be one of"),
@@ -104,3 +108,15 @@ def test_auto_keeps_float64_on_torch_tiles_on_cuda():
     assert isinstance(resolve_backend("auto", cuda, torch.float64), TorchTiles)
     if triton_available():
         assert resolve_backend("auto", cuda, torch.bfloat16).name == "triton"
+
+
+@pytest.mark.parametrize("bad", ["bias_overflow", "sparse"])
+def test_siglip_bad_inputs(bad):
+    q, k = ok(), ok()
+    bias, fragment = 0.0, "bias must be finite in the loss's compute dtype"
+    if bad == "bias_overflow":
+        bias = -1e39
+    else:
+        q, fragment = q.to_sparse(), "image_features must be a dense"
+    with pytest.raises((ValueError, TypeError), match=fragment):
+        bigbatch.siglip_loss(q, k, 2.0, bias)

@@ -20,6 +20,8 @@ ScaleArg = Union[float, Tensor]
 def check_features(name: str, x: object) -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape (batch, dim), got {type(x).__name__}")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}: call .to_dense()")
     if x.dim() != 2:
         raise ValueError(f"{name} must be 2-D (batch, dim), got shape {tuple(x.shape)}")
     if x.dtype not in FEATURE_DTYPES:
@@ -68,7 +70,10 @@ def prepare_scalar(name: str, value: object, like: Tensor) -> Tensor:
             raise ValueError(f"{name} must be finite in float64, got an int of {int(value).bit_length()} bits") from None
         if not math.isfinite(as_float):
             raise ValueError(f"{name} must be finite, got {value!r}")
-        return torch.tensor(float(value), dtype=ct, device=like.device)
+        if abs(as_float) > torch.finfo(ct).max:
+            raise ValueError(f"{name} must be finite in the loss's compute dtype {ct} (|{name}| <= "
+                             f"{torch.finfo(ct).max:.4g}), got {value!r}")
+        return torch.tensor(as_float, dtype=ct, device=like.device)
     if value.numel() != 1 or value.dim() > 1:
         raise ValueError(f"{name} must be a scalar (0-d or 1-element tensor), got shape {tuple(value.shape)}")
     if not value.is_floating_point():

@@ -11,13 +11,13 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch import Tensor
 
 from .backends import resolve_backend
 from .backends.base import SigmoidBackend, compute_dtype
 from ._validate import check_int_vector
 from ._amp import autocast_off
+from ._autograd import first_order
 
 SigmoidBackendArg = Union[str, SigmoidBackend]
 
@@ -46,7 +46,7 @@ class SigmoidLoss(torch.autograd.Function):
         return loss.mul_(norm)
 
     @staticmethod
-    @once_differentiable
+    @first_order
     @autocast_off
     def backward(ctx, grad: Tensor):
         dq, dk, d_scale, d_bias = ctx.saved_tensors

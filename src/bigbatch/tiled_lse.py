@@ -16,12 +16,12 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch import Tensor
 
 from .backends.base import TileBackend, compute_dtype
 from .backends.torch_tiles import blocks
 from ._amp import autocast_off
+from ._autograd import first_order
 
 # Rows per chunk of the positive-logit dot products: bounds the fp32 temporaries to
 # 2 * _POS_CHUNK * D elements whatever B is.
@@ -51,7 +51,7 @@ class TiledSoftmaxStats(torch.autograd.Function):
         return lse_row, lse_col, pos
 
     @staticmethod
-    @once_differentiable
+    @first_order
     @autocast_off
     def backward(ctx, g_row: Tensor, g_col: Tensor, g_pos: Tensor):
         q, k, scale, labels, lse_row, lse_col = ctx.saved_tensors

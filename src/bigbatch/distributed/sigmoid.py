@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch import Tensor
 
 from .._validate import check_pair, prepare_scalar
@@ -51,6 +50,7 @@ from ..backends.base import SigmoidBackend, compute_dtype
 from ..sigmoid_loss import check_class_ids, resolve_sigmoid_backend
 from .ring import Ring, agree, dtype_code
 from .._amp import autocast_off
+from .._autograd import first_order
 
 # The memory rule. W = the workspace the backend uses on one GPU for a b x b problem
 # (``backend.workspace_for``; TritonSigmoid: its G tile, 512 MiB on a GPU for b >= 16384;
@@ -286,7 +286,7 @@ class _RingSigmoid(torch.autograd.Function):
         return loss.mul_(norm)
 
     @staticmethod
-    @once_differentiable
+    @first_order
     @autocast_off
     def backward(ctx, grad):
         q, k, scale, bias, dq, dk, d_scale, d_bias = ctx.saved_tensors

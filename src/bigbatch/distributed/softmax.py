@@ -42,13 +42,13 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch import Tensor
 
 from ..backends.torch_tiles import blocks
 from ..backends.base import TileBackend, compute_dtype
 from .ring import Ring
 from .._amp import autocast_off
+from .._autograd import first_order
 
 # fp32 bytes of one backward chunk's dq or dk output (the backend allocates them per call).
 _GRAD_CHUNK_BYTES = 32 << 20
@@ -137,7 +137,7 @@ class RingSoftmax(torch.autograd.Function):
         return lse_row, lse_col, pos
 
     @staticmethod
-    @once_differentiable
+    @first_order
     @autocast_off
     def backward(ctx, g_row: Tensor, g_col: Tensor, g_pos: Tensor):
         q, k, scale, lse_row, lse_col = ctx.saved_tensors

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -33,7 +34,7 @@ from torch import Tensor, nn
 
 from .buffers import buffers_restored
 from .chunking import batch_size, call_model, map_tensors, model_device, split_batch, tensor_leaves, to_device
-from .rng import forked_rng
+from .rng import forked_rng, model_cuda_devices
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -126,8 +127,14 @@ def planning_budget(budget: int, fraction: float, cached: float, in_use: int = 0
 
 
 def _signature(model: nn.Module, x: Any, autocast: Optional[torch.dtype]) -> Tuple:
+    """What a chunk's memory depends on besides its rows: the input's per-row shapes, the autocast
+    dtype, and the model -- its parameters (identity, dtype, device, which ones require grad: a
+    tower unfrozen after warm-up builds a graph it did not before) and train/eval modes (dropout
+    masks are saved in training)."""
     leaves = tuple((tuple(t.shape[1:]), t.dtype, t.requires_grad) for t in tensor_leaves(x))
-    return (id(model), leaves, autocast)
+    params = tuple((id(p), p.dtype, p.device, p.requires_grad) for p in model.parameters())
+    modes = tuple(m.training for m in model.modules())
+    return (id(model), params, modes, leaves, autocast)
 
 
 def _rep_bytes(rep: Tensor) -> float:
@@ -198,23 +205,28 @@ def _measure(model, x, get_rep, autocast_ctx, params, device, by_grad: bool = Tr
     return float(2 * saved[0] + grads), float(saved[0]), _rep_bytes(rep)
 
 
+_CACHE_ENTRIES = 256  # probed costs kept per prober (each a few floats)
+
+
 class ChunkProber:
     """Measures and caches :class:`ChunkCost` per (model, input signature, autocast)."""
 
     def __init__(self, probe_rows: Tuple[int, int] = (16, 48)) -> None:
         self.probe_rows = probe_rows
-        self._cache: Dict[Tuple, ChunkCost] = {}
+        # most recently used last; bounded, as dynamic padding brings a new input shape per length
+        self._cache: "OrderedDict[Tuple, ChunkCost]" = OrderedDict()
 
     def cost(self, model: nn.Module, x: Any, get_rep: Callable[[Any], Tensor],
              autocast_ctx: Callable[[], Any], autocast: Optional[torch.dtype]) -> ChunkCost:
         key = _signature(model, x, autocast)
         if key in self._cache:
+            self._cache.move_to_end(key)
             return self._cache[key]
         b = batch_size(x)
         c1, c2 = min(self.probe_rows[0], b), min(self.probe_rows[1], b)
         params = [p for p in model.parameters() if p.requires_grad]  # empty: a frozen model
         device = model_device(model)
-        devices = [device.index] if device.type == "cuda" and device.index is not None else []
+        devices = model_cuda_devices(model)
         with forked_rng(devices), buffers_restored([model]), torch.enable_grad():
             def measure(c: int, by_grad: bool) -> Tuple[float, float, float]:
                 # the chunk's tensors that require grad become leaves of the probe's own
@@ -249,4 +261,6 @@ class ChunkProber:
             act_slope = max((ab - aa) / (cb - ca), 0.0)
             cost = ChunkCost(max(pb - slope * cb, 0.0), slope, act_slope, rep_per_row, max(ab - act_slope * cb, 0.0))
         self._cache[key] = cost
+        while len(self._cache) > _CACHE_ENTRIES:
+            self._cache.popitem(last=False)
         return cost

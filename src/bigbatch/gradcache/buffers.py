@@ -4,6 +4,12 @@ forwards that pass 1 already ran, so it restores the buffers it changed. A forwa
 *reads* what it updates (``nn.utils.spectral_norm``'s power-iteration vectors, a running scale)
 must see in its re-run the values its first run saw: :class:`BufferStates` keeps them per chunk.
 
+Parameters that do not require grad are state too when a model keeps few of them: EMA codebooks
+and cluster sizes are often stored as ``nn.Parameter(..., requires_grad=False)`` and updated in
+forward through ``.data``. Up to ``RECORD_ALL_BYTES`` of them in all, they are recorded and
+restored like buffers; more (a frozen tower, frozen layers) are taken for frozen weights that a
+forward does not write, and are not copied (store such state as a buffer).
+
 With BatchNorm in training mode every chunk is normalised with its own statistics, in both
 passes alike, so the gradients are exactly those of that chunked model; they are not those of
 one forward over the whole batch (no chunked scheme's are).
@@ -25,7 +31,7 @@ from .wrappers import is_ddp
 # constant tables), only the buffers seen changing are copied per chunk.
 RECORD_ALL_BYTES = 16 * 2**20
 
-Slot = Tuple[nn.Module, str]
+Slot = Tuple[nn.Module, str, str]  # (module, "_buffers" or "_parameters", name)
 
 
 class _Marker:
@@ -40,22 +46,33 @@ ABSENT = _Marker("ABSENT")  # the buffer was not registered yet: restoring remov
 LAZY = _Marker("LAZY")  # an uninitialised (lazy) buffer: left as it is
 
 
-def _buffer_slots(modules: Iterable[nn.Module]) -> List[Slot]:
-    """(module, name) of every buffer of ``modules`` (``None`` ones, lazily set later, included),
-    each submodule once (shared ones included)."""
-    slots, seen = [], set()
+def _submodules(modules: Iterable[nn.Module]) -> List[nn.Module]:
+    """Every submodule of ``modules`` once (shared ones included)."""
+    out: Dict[int, nn.Module] = {}
     for model in modules:
         for mod in model.modules():
-            if id(mod) in seen:
-                continue
-            seen.add(id(mod))
-            slots += [(mod, name) for name in mod._buffers]
-    return slots
+            out.setdefault(id(mod), mod)
+    return list(out.values())
+
+
+def _buffer_slots(modules: Iterable[nn.Module]) -> List[Slot]:
+    """Every buffer of ``modules`` (``None`` ones, lazily set later, included)."""
+    return [(mod, "_buffers", name) for mod in _submodules(modules) for name in mod._buffers]
+
+
+def _state_slots(modules: Iterable[nn.Module]) -> List[Slot]:
+    """Every buffer, and the parameters that do not require grad if they total at most
+    ``RECORD_ALL_BYTES`` (see the module docstring)."""
+    frozen = [(mod, "_parameters", name) for mod in _submodules(modules)
+              for name, p in mod._parameters.items() if p is not None and not p.requires_grad]
+    if sum(_nbytes(_get(slot)) for slot in frozen) > RECORD_ALL_BYTES:
+        frozen = []
+    return _buffer_slots(modules) + frozen
 
 
 def _get(slot: Slot) -> Any:
     """The slot's tensor, ``None``, or ``ABSENT`` when the name is no longer registered."""
-    return slot[0]._buffers.get(slot[1], ABSENT)
+    return getattr(slot[0], slot[1]).get(slot[2], ABSENT)
 
 
 def _copy(t: Any) -> Any:
@@ -72,20 +89,22 @@ def _put(slot: Slot, value: Any, original: Optional[Tensor]) -> None:
     series began -- while the slot still holds it (its identity, which DDP's buffer broadcast relies
     on, is kept); a buffer that was re-assigned meanwhile may alias anything (a chunk of the
     caller's input), so it is replaced by a copy instead of written into."""
-    mod, name = slot
-    if value is LAZY:
+    mod, store, name = slot
+    table = getattr(mod, store)
+    param = store == "_parameters"
+    if value is LAZY or (param and (value is None or value is ABSENT)):  # a parameter is never removed
         return
     if value is ABSENT:
-        mod._buffers.pop(name, None)
+        table.pop(name, None)
         return
-    buf = mod._buffers.get(name)
+    buf = table.get(name)
     if value is None:
-        mod._buffers[name] = None
+        table[name] = None
     elif buf is not None and original is not None and buf is original and not is_lazy(buf) and buf.shape == value.shape \
             and buf.dtype == value.dtype and buf.device == value.device:
         buf.data.copy_(value)  # .data: the same storage, not the version counter
     else:
-        mod._buffers[name] = value.clone()
+        table[name] = nn.Parameter(value.clone(), requires_grad=False) if param else value.clone()
 
 
 def _nbytes(value: Any) -> int:
@@ -111,9 +130,11 @@ class BufferStates:
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
         self.modules = list(modules)
-        self.slots = _buffer_slots(self.modules)
+        self.slots = _state_slots(self.modules)
         self.originals = [_get(slot) for slot in self.slots]
-        self.record_all = sum(map(_nbytes, self.originals)) <= RECORD_ALL_BYTES
+        self.record_all = sum(_nbytes(t) for t, s in zip(self.originals, self.slots) if s[1] == "_buffers") <= RECORD_ALL_BYTES
+        # state parameters (few bytes by construction) are recorded by every chunk
+        self.always = [i for i, s in enumerate(self.slots) if s[1] == "_parameters"]
         # the values before the first chunk, taken by its first in-forward record (after DDP's
         # broadcast: what that forward read), or at the end of its block if none was taken
         self.initial: Optional[List[Any]] = None
@@ -133,8 +154,13 @@ class BufferStates:
             return {i: _copy(_get(slot)) for i, slot in enumerate(self.slots)}
         if self.initial is None:
             self.initial = [_copy(_get(slot)) for slot in self.slots]
-        keep = range(len(self.slots)) if self.record_all else self.changing
-        return {i: _copy(_get(self.slots[i])) for i in keep}
+        return {i: _copy(_get(self.slots[i])) for i in self._recorded()}
+
+    def _recorded(self) -> Iterable[int]:
+        """The slots each record holds."""
+        if self.record_all:
+            return range(len(self.slots))
+        return list(self.changing) + [i for i in self.always if i not in self.changing]
 
     def after(self, record: Optional[Dict[int, Any]] = None) -> None:
         """Close the forward whose record is ``record`` (the first one also fixes ``initial``)."""
@@ -143,9 +169,9 @@ class BufferStates:
         for i, ((now, v_now), (was, v_was)) in enumerate(zip(self._mark(), self._marks)):
             if (now is not was or v_now != v_was) and i not in self.changing:
                 self.changing[i] = None  # its value before this and every earlier chunk: ``initial``
-        known = {(id(m), n) for m, n in self.slots}
+        known = {(id(m), store, n) for m, store, n in self.slots}
         for slot in _buffer_slots(self.modules):  # registered by this forward: absent before it
-            if (id(slot[0]), slot[1]) not in known:
+            if (id(slot[0]), slot[1], slot[2]) not in known:
                 self.slots.append(slot)
                 self.originals.append(None)
                 self.initial.append(ABSENT)
@@ -155,7 +181,7 @@ class BufferStates:
     def restore(self, record: Dict[int, Any]) -> None:
         """Put the buffers back to their values before the pass-1 forward of ``record``'s chunk."""
         assert self.initial is not None, "restore() before any record was taken"
-        for i in (range(len(self.slots)) if self.record_all else self.changing):
+        for i in self._recorded():
             _put(self.slots[i], record[i] if i in record else self.initial[i], self.originals[i])
 
 
@@ -211,13 +237,13 @@ def buffers_restored(modules: Iterable[nn.Module]) -> Iterator[None]:
     back, and one registered during the context is removed. Memory: one copy of the buffers.
     Leave the context only after the backward of what ran inside it."""
     modules = list(modules)
-    saved = [(slot, _get(slot), _copy(_get(slot))) for slot in _buffer_slots(modules)]
+    saved = [(slot, _get(slot), _copy(_get(slot))) for slot in _state_slots(modules)]
     try:
         yield
     finally:
         for slot, buf, value in saved:
             _put(slot, value, buf)
-        known = {(id(m), n) for (m, n), _, _ in saved}
-        for mod, name in _buffer_slots(modules):
-            if (id(mod), name) not in known:
+        known = {(id(m), store, n) for (m, store, n), _, _ in saved}
+        for mod, store, name in _buffer_slots(modules):  # buffers registered inside: removed
+            if (id(mod), store, name) not in known:
                 del mod._buffers[name]

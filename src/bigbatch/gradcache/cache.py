@@ -210,8 +210,10 @@ class GradCache:
             if self.memory_budget is None:
                 return list(sizes), [None] * len(inputs), None
         # a budget is planned from the batch sizes (inputs of a custom type need chunk_sizes)
-        batches = [batch_size(x, f"inputs[{i}]", hint="a memory budget plans from batched tensors: pass chunk_sizes")
-                   for i, x in enumerate(inputs)]
+        hint = ("memory_budget measures batched tensors, also to plan the kept graphs when chunk_sizes is given: "
+                "drop memory_budget for this input type") if self.chunk_sizes is not None else \
+            "a memory budget plans from batched tensors: pass chunk_sizes"
+        batches = [batch_size(x, f"inputs[{i}]", hint=hint) for i, x in enumerate(inputs)]
         if self.chunk_sizes is not None:
             costs = [self._cost(m, x) for m, x in zip(models, inputs)]
             return list(sizes), costs, self._usable(self.memory_budget, models, costs, batches)

@@ -20,6 +20,7 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch import Tensor, nn
 
+from .._autograd import refuse_create_graph
 from .budget import ChunkProber, MemoryArg, allocated_now, parse_memory, planning_budget
 from .cache import _BUDGET_FRACTION, _identity, check_options, default_budget
 from .chunking import batch_size, chunk_rows, model_device, pin, split_chunks
@@ -40,14 +41,18 @@ class _CachedEncode(torch.autograd.Function):
     reaches this node and can restrict which of them are accumulated)."""
 
     @staticmethod
-    def forward(ctx, anchor: Tensor, rep: Tensor, units: List[Unit], opts: EngineOptions, pairs: Pairs,  # type: ignore[override]
+    def forward(ctx, anchor: Tensor, box: List[Tensor], units: List[Unit], opts: EngineOptions, pairs: Pairs,  # type: ignore[override]
                 *tensors: Tensor) -> Tensor:
         ctx.units, ctx.opts, ctx.boundaries = units, opts, [b for _, b in pairs]
         ctx.params = list(tensors[len(pairs):])
-        return rep.view_as(rep)  # pass 1 ran before the node was made (``cached_encode``)
+        # pass 1 ran before the node was made (``cached_encode``); its result comes in a box, not
+        # as a tensor input, so that the output is a fresh tensor (not a view: in-place ops work)
+        return box.pop()
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
+        refuse_create_graph("cached_encode's representations", "its re-runs accumulate constant "
+                            "gradients into .grad; use a plain forward for higher derivatives")
         units, opts = ctx.units, ctx.opts
         ctx.units = None  # a second backward through this node is an error (its graphs are spent)
         if units is None:
@@ -156,4 +161,4 @@ def cached_encode(
     with torch.no_grad():
         rep = encode(units, opts, 1)[0]
     params = [p for p in model.parameters() if p.requires_grad]
-    return _CachedEncode.apply(anchor, rep, units, opts, pairs, *[o for o, _ in pairs], *params)
+    return _CachedEncode.apply(anchor, [rep], units, opts, pairs, *[o for o, _ in pairs], *params)

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from .accumulate import GradAccumulation
 from .buffers import BufferStates, buffers_restored, recording, restoring
 from .chunking import call_model, model_device, staged, tensor_leaves
-from .rng import RngState, cuda_devices_of
+from .rng import RngState, cuda_devices_of, model_cuda_devices
 from .wrappers import is_ddp, sync_context
 
 
@@ -76,7 +76,8 @@ def _no_autocast(device: torch.device, dtype: Optional[torch.dtype], inherit: bo
     return lambda: torch.autocast(device_type=device.type, enabled=False)
 
 
-def _rep(opts: EngineOptions, model: nn.Module, chunk: Any, rows: Optional[int]) -> Tensor:
+def _rep(opts: EngineOptions, model: nn.Module, chunk: Any, rows: Optional[int], graph: bool = True) -> Tensor:
+    """The chunk's representation; ``graph``: one whose gradient is needed (a kept or re-run chunk)."""
     rep = opts.get_rep(call_model(model, chunk))
     if not isinstance(rep, Tensor):
         raise TypeError(f"get_rep_fn must return a tensor, got {type(rep).__name__}; pass get_rep_fn=...")
@@ -85,7 +86,7 @@ def _rep(opts: EngineOptions, model: nn.Module, chunk: Any, rows: Optional[int])
     if rep.dim() == 0 or rep.shape[0] != rows:
         raise ValueError(f"the representation of a {rows}-row chunk has shape {tuple(rep.shape)}; "
                          "dimension 0 must be the batch")
-    if torch.is_grad_enabled() and not rep.requires_grad:  # a chunk whose gradient is needed
+    if graph and torch.is_grad_enabled() and not rep.requires_grad:  # a chunk whose gradient is needed
         raise ValueError(
             f"get_rep_fn returned a representation that does not require grad ({rep.dtype}"
             f"{', detached' if rep.is_floating_point() else ''}) from an encoder that is trained: it must be a "
@@ -126,18 +127,35 @@ def finalize_plan(units: Sequence[Unit], ddp_sync: str) -> None:
             group[-1].keep = False
 
 
-def _first_run(u: Unit, chunk: Any, opts: EngineOptions, params: List[Any]) -> Tensor:
-    """Pass 1 of one chunk: with a kept graph, or without a graph under a captured random state.
-    Returns the detached (compact) representation; sets ``u.rows`` for a custom chunk type."""
+def grad_mode_dependent(model: nn.Module) -> bool:
+    """Whether ``model``'s forward takes another path when grad mode is off: an eval-mode
+    ``nn.MultiheadAttention`` (so also ``nn.TransformerEncoder(Layer)``) takes PyTorch's inference
+    fast path, whose nested tensors return zeros at padded positions where the path taken with a
+    graph computes values. Such a pass-1 forward must run in grad mode, as its re-run will."""
+    fastpath = getattr(getattr(torch.backends, "mha", None), "get_fastpath_enabled", lambda: True)()
+    return fastpath and any(isinstance(m, nn.MultiheadAttention) and not m.training for m in model.modules())
+
+
+def pass1_grad_mode(mirror: bool) -> Any:
+    """The grad mode of a pass-1 forward: off, or on for a ``grad_mode_dependent`` model (its graph
+    is dropped as soon as the representation is detached: memory of one chunk's activations, which
+    the chunk size already allows for its re-run)."""
+    return torch.enable_grad() if mirror else torch.no_grad()
+
+
+def _first_run(u: Unit, chunk: Any, opts: EngineOptions, devices: List[int], mirror: bool) -> Tensor:
+    """Pass 1 of one chunk: with a kept graph, or without a graph under a captured random state
+    (of ``devices``, the model's CUDA devices, and those of the chunk's tensors). Returns the
+    detached (compact) representation; sets ``u.rows`` for a custom chunk type."""
     if u.keep:
         with sync_context(u.model, sync=False)(), torch.enable_grad():
             rep = _rep(opts, u.model, chunk, u.rows)
         u.kept_rep = rep
         rep = compact(rep)
     else:
-        u.rng = RngState(cuda_devices_of(tensor_leaves(chunk) + [p for p in params if p is not None]))
-        with torch.no_grad():
-            rep = compact(_rep(opts, u.model, chunk, u.rows))
+        u.rng = RngState(sorted(set(devices) | set(cuda_devices_of(tensor_leaves(chunk)))))
+        with pass1_grad_mode(mirror):
+            rep = compact(_rep(opts, u.model, chunk, u.rows, graph=False))
     if u.rows is None:  # a custom chunk: its rows are its representation's
         u.rows = rep.shape[0]
     return rep
@@ -153,14 +171,15 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
             continue
         device = model_device(mine[0].model)
         amp = _autocast(device, opts.autocast_dtype, opts.inherit_autocast)
-        params = [next(iter(mine[0].model.parameters()), None)]
+        devices = model_cuda_devices(mine[0].model)
+        mirror = grad_mode_dependent(mine[0].model)
         # One autocast context for all chunks of this input: autocast casts each fp32 weight to
         # half once per context, so the chunks share one cast (one ~2-bytes-per-parameter copy kept
         # for the pass) instead of re-casting every weight per chunk.
         with amp():
             for u, chunk in zip(mine, staged([u.chunk for u in mine], device, opts.offload_inputs)):
                 with recording(states, [u.model]) as record:
-                    rep = _first_run(u, chunk, opts, params)
+                    rep = _first_run(u, chunk, opts, devices, mirror)
                 if not u.keep:
                     u.buffers = (states, record["record"])
                 per_input[i].append(rep.to("cpu", non_blocking=False) if opts.offload_reps else rep)

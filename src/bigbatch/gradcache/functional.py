@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from .buffers import BufferStates, buffers_restored, recording, restoring
 from .chunking import tensor_leaves
-from .engine import compact
+from .engine import compact, grad_mode_dependent, pass1_grad_mode
 from .rng import RngState, cuda_devices_of
 
 Reps = Union[Tensor, Tuple[Tensor, ...]]
@@ -91,7 +91,9 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
         # as this call left them (BatchNorm statistics updated once)
         modules = [a for a in list(args) + list(kwargs.values()) if isinstance(a, nn.Module)]
         states = BufferStates(modules)
-        with recording(states, modules) as box, torch.no_grad():
+        # grad mode off, as the public package; on (graph dropped) where a module's forward would
+        # take another path without it (engine.grad_mode_dependent), so the re-run matches
+        with recording(states, modules) as box, pass1_grad_mode(any(map(grad_mode_dependent, modules))):
             out = func(*args, **kwargs)
         record = box["record"]
         first = _as_tuple(out, func.__name__)

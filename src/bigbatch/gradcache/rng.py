@@ -12,17 +12,24 @@ over the same chunks leaves them.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 import sys
 from typing import Any, Iterable, Iterator, List, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 def cuda_devices_of(tensors: Iterable[Tensor]) -> List[int]:
     """Sorted indices of the CUDA devices among ``tensors`` (empty without CUDA)."""
     return sorted({t.device.index for t in tensors if t.is_cuda and t.device.index is not None})
+
+
+def model_cuda_devices(model: nn.Module) -> List[int]:
+    """The CUDA devices holding any parameter or buffer of ``model``: a model split over GPUs
+    (hand-made model parallel, ``device_map="auto"``) draws its dropout on each of them."""
+    return cuda_devices_of(itertools.chain(model.parameters(), model.buffers()))
 
 
 def _numpy_random() -> Optional[Any]:
