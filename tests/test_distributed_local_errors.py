@@ -85,3 +85,23 @@ def _double_backward(rank: int, world: int):
 def test_double_backward_through_the_ring_is_a_clear_error_on_every_rank():
     for per_rank in run_gloo(_double_backward, 2, timeout=120.0):
         assert all("first-order gradients only" in msg for msg in per_rank), per_rank
+
+
+def _siglip_backends_differ(rank: int, world: int):
+    from bigbatch.backends.torch_sigmoid import TorchSigmoid
+
+    torch.manual_seed(rank)
+    q, k = torch.randn(64, 4), torch.randn(64, 4)
+    backend = TorchSigmoid(workspace_bytes=4096) if rank == 0 else TorchSigmoid()
+    try:
+        bigbatch.siglip_loss(q, k, 2.0, -1.0, group=dist.group.WORLD, backend=backend)
+        return "no error"
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_siglip_ring_backends_configured_differently_raise_on_every_rank():
+    """The sigmoid ring's chunking follows the backend's workspace rule: ranks configured
+    differently would exchange messages of different sizes (gloo aborted every process)."""
+    for msg in run_gloo(_siglip_backends_differ, 2, timeout=120.0):
+        assert "backend_config must be the same on every rank" in msg, msg

@@ -305,8 +305,29 @@ def _random_shapes(rank, world):
     prop()
 
 
+def _mixed_requires_grad(rank, world):
+    """Ranks differ in which features require grad (rank 0: queries, rank 1: keys), or ask
+    autograd.grad for different ones: the gather-with-grad reference must run the same collective
+    on every rank and equal the ring (before: wrong gradients for CLIP, a hang for InfoNCE)."""
+    import bigbatch
+
+    g = torch.Generator().manual_seed(40 + rank)
+    q0, k0 = torch.randn(3 + rank, 4, generator=g, dtype=torch.float64), torch.randn(3 + rank, 4, generator=g, dtype=torch.float64)
+    for name in ("clip", "infonce"):
+        fn = bigbatch.clip_loss if name == "clip" else bigbatch.infonce_loss
+        for how in ("one_side", "grad_of_different_tensors"):
+            got = {}
+            for backend in ("reference", "torch"):
+                q, k = q0.clone().requires_grad_(rank == 0 or how != "one_side"), k0.clone().requires_grad_(rank == 1 or how != "one_side")
+                loss = fn(q, k, 3.0, group=dist.group.WORLD, backend=backend)
+                got[backend] = torch.autograd.grad(loss, q if rank == 0 else k)[0]
+            assert _rel(got["reference"], got["torch"]) < 1e-12, (name, how, rank)
+        dist.barrier()
+
+
 def _two_ranks(rank, world, triton_ok):
     group = dist.group.WORLD
+    _mixed_requires_grad(rank, world)
     sizes = [5, 3]
     for backend in ("reference", "torch", "torch_small_tiles"):
         _check_clip(rank, world, group, sizes, 7, backend, seed=1, tol=1e-10)

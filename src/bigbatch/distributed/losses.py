@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .._validate import check_int_vector
 from ..backends.base import TileBackend, compute_dtype
-from .gather import gather_with_grad
+from .gather import gather_rows_with_grad
 from .ring import Ring, agree, dtype_code, offsets
 from .softmax import RingPlan, grad_chunk_rows, own_positives, positive_index, ring_softmax_stats
 
@@ -142,8 +142,9 @@ def ring_clip_loss(
     start = offsets(sizes)[ring.rank]
     if isinstance(backend, str):
         ct = compute_dtype(image.dtype)
-        all_image = gather_with_grad(image, ring, sizes).to(ct)
-        all_text = gather_with_grad(text, ring, sizes).to(ct)
+        (image, text), (all_image, all_text) = gather_rows_with_grad(
+            [image, text], ring, [sizes, sizes], backward=bool(table["needs_backward"][0]))
+        all_image, all_text = all_image.to(ct), all_text.to(ct)
         labels = torch.arange(start, start + b, device=image.device)
         per_image = F.cross_entropy(scale * (image.to(ct) @ all_text.t()), labels, reduction="sum")
         per_text = F.cross_entropy(scale * (text.to(ct) @ all_image.t()), labels, reduction="sum")
@@ -192,7 +193,10 @@ def ring_infonce_loss(
     total_q = sum(int(v) for v in table["q_rows"])
     if isinstance(backend, str):
         ct = compute_dtype(q.dtype)
-        all_keys = gather_with_grad(k, ring, k_sizes).to(ct)
+        q_sizes = [int(v) for v in table["q_rows"]]
+        (q, _), (_, all_keys) = gather_rows_with_grad([q, k], ring, [q_sizes, k_sizes],
+                                                      backward=bool(table["needs_backward"][0]))
+        all_keys = all_keys.to(ct)
         per_row = F.cross_entropy(scale * (q.to(ct) @ all_keys.t()), labels, reduction="none")
     else:
         plan = _plan(ring, table, q, labels, cols=False, chunk=grad_chunk)

@@ -39,6 +39,8 @@ single-process gradients for the features, the scale and the bias.
 
 from __future__ import annotations
 
+import dataclasses
+import zlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -360,8 +362,10 @@ def ring_siglip_loss(
             "scale": float(s.detach()) if ok else 0.0,
             "bias": float(b.detach()) if ok else 0.0,
             "chunk_rows": float(chunk_rows or 0) if ok else 0.0,
+            # the chunking follows the backend's workspace rule: configured alike, or no rank runs
+            "backend_config": float(_config_code(impl)) if ok else 0.0,
         },
-        same=("needs_grad", "dim", "dtype", "labels", "scale", "bias", "chunk_rows"),
+        same=("needs_grad", "dim", "dtype", "labels", "scale", "bias", "chunk_rows", "backend_config"),
         local_error=error,
         what="siglip_loss",
     )
@@ -372,6 +376,14 @@ def ring_siglip_loss(
         return _RingSigmoid.apply(image_features, text_features, s, b, ids, ring, sizes, impl, plan, norm)
     loss, _, _, _ = _ring_pass(ring, sizes, image_features, text_features, ids, s, b, impl, plan, with_grad=False)
     return loss * norm
+
+
+def _config_code(backend: object) -> int:
+    """A 32-bit code of the backend's configuration (its fields for a dataclass backend, else its
+    type), exchanged so that ranks whose plans would differ raise instead of exchanging messages of
+    different sizes."""
+    text = repr(backend) if dataclasses.is_dataclass(backend) else f"{type(backend).__module__}.{type(backend).__qualname__}"
+    return zlib.crc32(text.encode())
 
 
 def _plan_and_backend(backend, sizes, q: Tensor, ids: Optional[Tensor], with_grad: bool, chunk_rows: Optional[int]):
