@@ -145,6 +145,8 @@ def test_output_dir_guards(tmp_path, data, capsys):
         (["--batch-size", "100000"], "larger than the training set"),
         (["--loss", "infonce", "--hard-negatives", "5"], "fewer negatives"),
         (["--lr", "-1"], "--lr must be a positive"),
+        (["--epochs", "inf"], "--epochs must be a finite number > 0"),
+        (["--epochs", "nan"], "--epochs must be a finite number > 0"),
         (["--weight-decay", "-1"], "--weight-decay must be a number >= 0"),
         (["--device", "meta"], "--device must be auto, cpu, cuda or cuda:N"),
         (["--device", "foo"], "--device must be auto, cpu, cuda or cuda:N"),
@@ -262,3 +264,40 @@ def test_ctrl_c_saves_and_resume_is_exact(tmp_path, data, monkeypatch):
     train(TrainConfig(**base, out=str(tmp_path / "b")), resume=True, log=lambda s: None)
     wa, wb = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_ctrl_c_during_an_evaluation_is_logged_on_resume(tmp_path, data, monkeypatch):
+    """Interrupted after step 3 but inside its evaluation: the resumed run evaluates step 3 first,
+    so its metrics log equals the uninterrupted run's (it lacked that evaluation before)."""
+    import bigbatch.train.loop as loop
+
+    base = dict(data=str(data[0]), eval_data=str(data[1]), batch_size=64, chunk_size=16, steps=6, lr=0.02,
+                buckets=4096, dim=32, max_length=16, progress=False, save_every=100, eval_every=3)
+    train(TrainConfig(**base, out=str(tmp_path / "a")), log=lambda s: None)
+    real, calls = loop.evaluate, []
+
+    def interrupt_second(*a, **kw):  # the first call is the step-0 evaluation
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(loop, "evaluate", interrupt_second)
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainConfig(**base, out=str(tmp_path / "b")), log=lambda s: None)
+    monkeypatch.setattr(loop, "evaluate", real)
+    resumed = train(TrainConfig(**base, out=str(tmp_path / "b")), resume=True, log=lambda s: None)
+    strip = lambda p: [{k: v for k, v in r.items() if k not in ("examples_per_s", "memory_mb", "step_s")}  # noqa: E731
+                       for r in map(json.loads, p.read_text().splitlines())]
+    assert strip(tmp_path / "a" / "metrics.jsonl") == strip(tmp_path / "b" / "metrics.jsonl")
+    assert resumed["after"] == json.loads((tmp_path / "a" / "results.json").read_text())["after"]
+
+
+def test_missing_train_extra_is_named_before_any_work(tmp_path, data, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "safetensors" else real(name, *a))
+    assert _run("--data", data[0], "--eval-data", data[1], "--steps", 1, "--batch-size", 64, "--out", tmp_path / "o") == 2
+    assert "pip install 'bigbatch[train]'" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

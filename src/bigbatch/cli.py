@@ -131,9 +131,21 @@ def _run_train(ns: argparse.Namespace) -> int:
     except OSError as e:  # an --out or --data path that cannot be used
         print(f"bigbatch train: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # out of memory (e.g. a huge --dim): one line, not a traceback
+        if not _out_of_memory(e):
+            raise
+        print(f"bigbatch train: error: out of memory: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    import torch
+
+    text = str(e).lower()
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in text or "allocate" in text
 
 
 def _run_bench(name: str, args: Sequence[str]) -> int:

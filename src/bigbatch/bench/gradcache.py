@@ -10,15 +10,18 @@ recorded as a result. A correctness check (bigbatch.GradCache vs the full-batch 
 same dropout masks) runs first.
 
     python -m bigbatch.bench.gradcache                    # the H200 run (JSON + PNG)
-    python -m bigbatch.bench.gradcache --tiny --cpu       # a seconds-long dry run of the code paths
+    python -m bigbatch.bench.gradcache --tiny --cpu       # a dry run of the code paths (~1 min on 2 cores; JSON in /tmp)
 """
 
 from __future__ import annotations
 
 import argparse
 import gc as _gc
+import importlib.util
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -110,7 +113,7 @@ def _encode_step(bigbatch, mq, mp, qi, pi, loss_fn, amp) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batches", type=int, nargs="+", default=[512, 1024, 2048, 8192])
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="default 512 1024 2048 8192 (--tiny: 16 32)")
     p.add_argument("--budget", default="16GiB", help="memory_budget of bigbatch.GradCache")
     p.add_argument("--public-chunk", type=int, default=128, help="chunk size of the public GradCache")
     p.add_argument("--q-len", type=int, default=32)
@@ -121,10 +124,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--skip", nargs="*", default=[], choices=["full", "public", "bigbatch", "offload"])
     p.add_argument("--public-batches", type=int, nargs="*", default=None,
                    help="batch sizes at which the public GradCache runs (default: all)")
-    p.add_argument("--offload-batches", type=int, nargs="*", default=[8192],
+    p.add_argument("--offload-batches", type=int, nargs="*", default=None,
                    help="batch sizes at which bigbatch.GradCache also runs with inputs and reps offloaded to the CPU")
-    p.add_argument("--out", default="benchmarks/results/gradcache_h200.json")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gradcache_h200.json; "
+                   "with --tiny or --cpu a file in the temporary directory, never the committed results)")
     args = p.parse_args(argv)
+    dry = args.tiny or args.cpu
+    if args.batches is None:
+        args.batches = [16, 32] if args.tiny else [512, 1024, 2048, 8192]
+    if args.offload_batches is None:
+        args.offload_batches = [args.batches[-1]] if args.tiny else [8192]
+    if args.out is None:
+        args.out = os.path.join(tempfile.gettempdir(), "gradcache_dry_run.json") if dry else "benchmarks/results/gradcache_h200.json"
+    if importlib.util.find_spec("transformers") is None:
+        print("this benchmark's encoders are Hugging Face BertModels: pip install 'bigbatch[bench]'", file=sys.stderr)
+        return 2
 
     import bigbatch
     from bigbatch.gradcache import GradCache

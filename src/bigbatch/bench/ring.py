@@ -26,6 +26,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -291,9 +292,12 @@ def _summary(rows: List[Dict[str, Any]], world: int, rate: float) -> Dict[str, A
     return out
 
 
+BATCHES = [65536, 131072, 262144]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", type=int, nargs="+", default=[65536, 131072, 262144], help="global batch sizes")
+    p.add_argument("--batches", type=int, nargs="+", default=BATCHES, help="global batch sizes (--cpu-smoke: 1024 2048)")
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--peers", nargs="+", default=["ring", "single", "infcl", "gather"],
@@ -305,7 +309,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="run the ring this many seconds before measuring (GPU clocks settle; run 2 of "
                         "ring_h200x2 saw the same ring at 588 ms cold and 486 ms warm)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check")
-    p.add_argument("--cpu-smoke", action="store_true", help="run on CPUs with gloo (tiny sizes; a smoke test)")
+    p.add_argument("--cpu-smoke", action="store_true", help="run on CPUs with gloo (B 1024 and 2048 unless --batches; a smoke test; JSON in the temporary directory)")
     p.add_argument("--check-batch", type=int, default=8192, help="global batch of the correctness check")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ring_h200x<n>.json)")
     args = p.parse_args(argv)
@@ -313,6 +317,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if peer.partition("@")[0] not in PEERS:
             p.error(f"unknown peer {peer!r}; choose among {PEERS}")
 
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        print("bigbatch.bench.ring runs under torchrun: torchrun --nproc_per_node=N -m bigbatch.bench.ring ...",
+              file=sys.stderr)
+        return 2
+    if args.cpu_smoke and args.batches == BATCHES:  # tiny sizes unless asked otherwise
+        args.batches = [1024, 2048]
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
@@ -360,7 +370,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         payload["checks"] = checks
 
     gpu = torch.cuda.get_device_name(0).split()[-1].lower() if device.type == "cuda" else "cpu"
-    out_path = args.out or os.path.join("benchmarks", "results", f"ring_{gpu}x{world}.json")
+    default = os.path.join(tempfile.gettempdir(), f"ring_cpux{world}.json") if device.type == "cpu" else \
+        os.path.join("benchmarks", "results", f"ring_{gpu}x{world}.json")  # a CPU smoke run never lands in the repo
+    out_path = args.out or default
     if args.warm_s > 0:
         import bigbatch
 

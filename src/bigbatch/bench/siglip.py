@@ -477,6 +477,10 @@ def main(argv=None) -> int:
         print("this benchmark needs a CUDA GPU (or --ring --cpu for a dry run)", file=sys.stderr)
         return 2
     if args.ring:
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            print("--ring runs under torchrun: torchrun --nproc_per_node=N -m bigbatch.bench.siglip --ring ...",
+                  file=sys.stderr)
+            return 2
         payload = ring(args)
         if payload is not None:
             default = os.path.join(tempfile.gettempdir(), "siglip_ring_cpu.json") if args.cpu else \

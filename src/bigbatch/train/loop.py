@@ -15,6 +15,7 @@ Under ``torchrun`` each rank encodes its shard of the global batch; the loss get
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -109,8 +110,8 @@ class TrainConfig:
             raise ValueError(f"--warmup must be in [0, 1), got {self.warmup}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
-        if self.steps is None and not self.epochs > 0:
-            raise ValueError(f"--epochs must be > 0, got {self.epochs}")
+        if not (self.epochs > 0 and math.isfinite(self.epochs)):
+            raise ValueError(f"--epochs must be a finite number > 0, got {self.epochs}")
         for name in ("eval_every", "save_every"):
             v = getattr(self, name)
             if v is not None and v < 1:
@@ -122,6 +123,15 @@ class TrainConfig:
 
 
 # ----------------------------------------------------------------------------- environment
+
+
+def check_extras(save: bool) -> None:
+    """The ``[train]`` extra's modules, checked before any work: checkpoints need safetensors,
+    the metrics plot matplotlib."""
+    missing = [m for m in (["safetensors"] if save else []) + ["matplotlib"] if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(f"bigbatch train needs the [train] extra (missing: {', '.join(missing)}): "
+                          "pip install 'bigbatch[train]'")
 
 
 @dataclass
@@ -396,7 +406,9 @@ def train(
     Nothing is written to ``cfg.out`` until the configuration, the output directory and the
     data have all been checked, so a bad data file leaves earlier results intact.
     """
+    t_start = time.perf_counter()
     cfg.check()
+    check_extras(cfg.save)
     d, device = setup_distributed(cfg.device)
     check_backend(cfg, device)
     out = _prepare_out(cfg, resume, overwrite)
@@ -480,6 +492,9 @@ def train(
                 _remove_outputs(out)
             raise
         say(f"untrained (step 0): {format_metrics(before)}")
+    elif d.rank == 0 and (start % eval_every == 0 or start == total) and not any(r["step"] == start for r in history):
+        # interrupted between a step and its evaluation: log the evaluation the uninterrupted run did
+        last = run_eval(start)
 
     bar = None
     if cfg.progress and d.rank == 0:
@@ -557,6 +572,8 @@ def train(
     results = {"steps": step, "total_steps": total, "finished": step >= total, "train_pairs": len(splits.train),
                "heldout_pairs": len(splits.heldout), "data": splits.source, "before": before,
                "after": last if step >= total else None, "seconds": time.perf_counter() - t_run,
+               # the whole command after start-up: data extraction, evaluations, training, saving
+               "wall_seconds": time.perf_counter() - t_start,
                "device": str(device), "world_size": d.world, "config": cfg.to_json()}
     if d.rank == 0:
         tmp = out / "results.json.tmp"
@@ -565,7 +582,7 @@ def train(
         if step >= total and before is not None and last is not None:
             what = "docstring -> code" if cfg.data == "builtin" else "query -> positive"
             say(f"held-out {what} retrieval:\n" + summary_table(before, last))
-        say(f"outputs in {out}: metrics.jsonl, metrics.png, results.json, checkpoints/")
+        say(f"outputs in {out}: metrics.jsonl, metrics.png, results.json{', checkpoints/' if cfg.save else ''}")
     return results
 
 
