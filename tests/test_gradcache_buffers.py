@@ -261,12 +261,12 @@ def test_state_parameters_keep_their_identity():
 
 
 def test_many_frozen_parameters_are_taken_for_frozen_weights(monkeypatch):
-    """Beyond RECORD_ALL_BYTES of them (a frozen tower) frozen parameters are not copied per chunk."""
+    """Beyond STATE_PARAM_BYTES of them (a frozen tower) frozen parameters are not copied per chunk."""
     from bigbatch.gradcache import buffers
 
     m = FrozenParamScale().to(F64)
     assert any(s[1] == "_parameters" for s in buffers.BufferStates([m]).slots)
-    monkeypatch.setattr(buffers, "RECORD_ALL_BYTES", 8)
+    monkeypatch.setattr(buffers, "STATE_PARAM_BYTES", 8)
     assert not any(s[1] == "_parameters" for s in buffers.BufferStates([m]).slots)
 
 

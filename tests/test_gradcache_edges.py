@@ -335,3 +335,192 @@ def test_budget_is_re_planned_when_a_tower_is_unfrozen():
     fresh(x, y)
     assert gc.last_chunk_sizes == fresh.last_chunk_sizes
     assert gc.last_chunk_sizes[1] < frozen[1]
+
+
+def _same_chunks_reference(m, inputs, chunk, loss, seed, params):
+    """Gradients of one graph over the same chunks (short first), from ``seed``."""
+    from bigbatch.gradcache.chunking import split_batch
+
+    torch.manual_seed(seed)
+    reps = [torch.cat([m(c) for c in split_batch(t, chunk, short_first=True)]) for t in inputs]
+    return torch.autograd.grad(loss(*reps), params)
+
+
+class _DropLN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        # (no BatchNorm: TorchScript's own BatchNorm training gradient differs from eager's by 0.3
+        # when a module runs several chunks, with or without gradient caching)
+        self.net = nn.Sequential(nn.Linear(6, 12), nn.LayerNorm(12), nn.Dropout(0.3), nn.Tanh(), nn.Linear(12, 8)).to(F64)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.mark.parametrize("kind", ["script", "trace"])
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
+def test_torchscript_models(kind, api):
+    """TorchScript modules (no forward hooks, a wrapped buffer table) are exact too."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(11, 6, generator=g, dtype=F64), torch.randn(11, 6, generator=g, dtype=F64)
+    m = _DropLN()
+    sm = torch.jit.script(m) if kind == "script" else torch.jit.trace(m, (x[:4],), check_trace=False)
+    params = list(sm.parameters())
+    expected = _same_chunks_reference(sm, (x, y), 4, clip, 5, params)
+    torch.manual_seed(5)
+    if api == "gradcache":
+        GradCache(sm, 4, clip)(x, y)
+    else:
+        clip(cached_encode(sm, x, 4), cached_encode(sm, y, 4)).backward()
+    for p, e in zip(params, expected):
+        assert_rel(p.grad, e, 1e-10, f"{kind} via {api}")
+
+
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
+@pytest.mark.parametrize("where", ["get_rep_fn", "functional_call"])
+def test_trainable_tensors_the_model_does_not_register(api, where):
+    """A frozen backbone with a trainable projection in get_rep_fn, or weights applied through
+    torch.func.functional_call: the model registers no trainable parameter, yet its representation
+    needs a gradient; it is detected in pass 1 and re-run (before: silently zero gradients)."""
+    from bigbatch.gradcache.chunking import split_batch
+
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(10, 6, generator=g, dtype=F64), torch.randn(10, 6, generator=g, dtype=F64)
+    torch.manual_seed(0)
+    if where == "get_rep_fn":
+        model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.2), nn.Tanh()).to(F64).requires_grad_(False)
+        head = nn.Linear(8, 8).to(F64)
+        get_rep, params = head, list(head.parameters())
+    else:
+        base = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.2), nn.Tanh()).to(F64)
+        weights = {k: v.detach().clone().requires_grad_() for k, v in base.named_parameters()}
+        base.requires_grad_(False)
+
+        class Functional(nn.Module):
+            def forward(self, v):
+                return torch.func.functional_call(base, weights, (v,))
+
+        model, get_rep, params = Functional(), (lambda out: out), list(weights.values())
+    torch.manual_seed(1)
+    reps = [torch.cat([get_rep(model(c)) for c in split_batch(t, 4, short_first=True)]) for t in (x, y)]
+    expected = torch.autograd.grad(clip(*reps), params)
+    torch.manual_seed(1)
+    if api == "gradcache":
+        GradCache(model, 4, clip, get_rep_fn=get_rep)(x, y)
+    else:
+        clip(cached_encode(model, x, 4, get_rep_fn=get_rep), cached_encode(model, y, 4, get_rep_fn=get_rep)).backward()
+    for p, e in zip(params, expected):
+        assert_rel(p.grad, e, 1e-10, f"unregistered trainables ({where}) via {api}")
+
+
+class _TwoTowers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.image = nn.Linear(6, 8).to(F64).requires_grad_(False)  # locked (LiT)
+        self.text = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.2)).to(F64)
+
+
+class _Tower(nn.Module):
+    """A per-input view of one shared two-tower module: its parameters include both towers."""
+
+    def __init__(self, towers: _TwoTowers, side: str) -> None:
+        super().__init__()
+        self.towers, self.side = towers, side
+
+    def forward(self, v):
+        return getattr(self.towers, self.side)(v)
+
+
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
+def test_a_wrapper_that_only_calls_a_frozen_tower_sends_no_gradient(api):
+    """The image wrapper holds the text tower's parameters too, so it counts as trained, but its
+    forward uses none of them: its re-run has no graph and nothing to back-propagate (before: an
+    error blaming get_rep_fn)."""
+    from bigbatch.gradcache.chunking import split_batch
+
+    towers = _TwoTowers()
+    img, txt = _Tower(towers, "image"), _Tower(towers, "text")
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randn(9, 6, generator=g, dtype=F64), torch.randn(9, 6, generator=g, dtype=F64)
+    params = list(towers.text.parameters())
+    torch.manual_seed(2)
+    reps = [torch.cat([f(c) for c in split_batch(t, 4, short_first=True)]) for f, t in ((img, x), (txt, y))]
+    expected = torch.autograd.grad(clip(*reps), params)
+    torch.manual_seed(2)
+    if api == "gradcache":
+        GradCache([img, txt], 4, clip)(x, y)
+    else:
+        clip(cached_encode(img, x, 4), cached_encode(txt, y, 4)).backward()
+    for p, e in zip(params, expected):
+        assert_rel(p.grad, e, 1e-10, f"shared two-tower module via {api}")
+
+
+class _ScalesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 8).to(F64)
+
+    def forward(self, x):
+        x.div_(255.0)  # writes the caller's batch
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode", "functional"])
+def test_a_forward_that_writes_its_input_is_an_error(api):
+    """Its re-run would see a different input: a clear error instead of a wrong gradient (0.84)."""
+    from bigbatch.gradcache import cached
+
+    x, y = torch.randn(8, 6, dtype=F64), torch.randn(8, 6, dtype=F64)
+    m = _ScalesItsInput()
+    with pytest.raises(RuntimeError, match="modified its input in place"):
+        if api == "gradcache":
+            GradCache(m, 4, clip)(x, y)
+        elif api == "cached_encode":
+            cached_encode(m, x, 4)
+        else:
+            cached(lambda model, v: model(v))(m, x)
+
+
+def test_the_budget_probe_leaves_the_batch_alone():
+    """The chunk-size probe runs on copies of a few rows: a forward that writes its input does not
+    reach the caller's batch through it (it changed the step's loss before)."""
+    import contextlib
+
+    from bigbatch.gradcache.budget import ChunkProber
+
+    x = torch.randn(64, 6, dtype=F64)
+    x0 = x.clone()
+    ChunkProber().cost(_ScalesItsInput(), x, lambda out: out, contextlib.nullcontext, None)
+    assert torch.equal(x, x0)
+
+
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode", "functional"])
+def test_parametrize_cached_is_refused(api):
+    from torch.nn.utils import parametrize
+
+    from bigbatch.gradcache import cached
+
+    m = nn.Linear(6, 8).to(F64)
+    parametrize.register_parametrization(m, "weight", nn.Identity())
+    x = torch.randn(4, 6, dtype=F64)
+    with parametrize.cached(), pytest.raises(RuntimeError, match="parametrize.cached"):
+        if api == "gradcache":
+            GradCache(m, 2, clip)(x, x)
+        elif api == "cached_encode":
+            cached_encode(m, x, 2)
+        else:
+            cached(lambda model, v: model(v))(m, x)
+
+
+def test_an_eval_transformer_under_no_grad_builds_no_graph():
+    """Pass 1 mirrors grad mode only for chunks that will be re-run: an evaluation call under
+    no_grad stays graph-free (and keeps PyTorch's fast path)."""
+    m = EvalTransformer()
+    seen = []
+    m.enc.layers[0].register_forward_pre_hook(lambda mod, args: seen.append(torch.is_grad_enabled()))
+    x, pad = torch.randn(6, 5, 8, dtype=F64), torch.zeros(6, 5, dtype=torch.bool)
+    with torch.no_grad():
+        out = cached_encode(m, (x, pad), 3)
+    assert seen == [False, False] and not out.requires_grad

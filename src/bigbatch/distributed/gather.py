@@ -29,54 +29,53 @@ def all_gather_rows(x: Tensor, ring: Ring, sizes: Sequence[int]) -> List[Tensor]
 
 
 class _GatherWithGrad(torch.autograd.Function):
-    """Every rank's shard of each input concatenated into its global batch (sizes may differ), with
-    gradient; each input also comes back as itself (a view), so that its local uses reach this node.
+    """Each input comes back as itself (a view), and each input with ``sizes[i]`` (every rank's
+    rows) also gathered into its global batch (rank order), with gradient.
 
     Backward: the gradient of the sum of every rank's loss w.r.t. this rank's shard is its local
     gradient plus the sum over ranks of the gradient w.r.t. its rows in each rank's gathered copy:
-    ONE all_reduce of all the gathered gradients, whichever inputs require grad on this rank. So
-    every rank that runs a backward runs the same collective -- ranks may differ in which features
-    require grad, or ask ``autograd.grad`` for different ones -- and the ``anchor`` (an empty leaf
-    that requires grad, passed when the ranks agreed that a backward will run) keeps the node in the
-    graph of a rank where only the scale requires grad.
+    ONE all_reduce of all the gathered gradients. Every use of the features *and the scale* goes
+    through this node (pass the scale ungathered), so whatever a rank asks gradients for -- the
+    features that require grad may differ between ranks, ``autograd.grad`` may name different
+    inputs -- its backward runs this node, and every rank runs the same collective.
     """
 
     @staticmethod
-    def forward(ctx, ring: Ring, sizes: Sequence[Sequence[int]], anchor: Optional[Tensor], *xs: Tensor):  # type: ignore[override]
-        ctx.ring, ctx.sizes = ring, [list(s) for s in sizes]
-        gathered = [x.clone() if ring.world == 1 else torch.cat(all_gather_rows(x, ring, n)) for x, n in zip(xs, sizes)]
+    def forward(ctx, ring: Ring, sizes: Sequence[Optional[Sequence[int]]], *xs: Tensor):  # type: ignore[override]
+        ctx.ring, ctx.sizes = ring, [None if n is None else list(n) for n in sizes]
+        gathered = [x.clone() if ring.world == 1 else torch.cat(all_gather_rows(x, ring, n))
+                    for x, n in zip(xs, sizes) if n is not None]
         return (*[x.view_as(x) for x in xs], *gathered)
 
     @staticmethod
     @autocast_off
     def backward(ctx, *grads: Tensor):
         ring, sizes = ctx.ring, ctx.sizes
-        n = len(sizes)
-        local, gathered = grads[:n], [g.contiguous() for g in grads[n:]]
-        if ring.world > 1:  # one flat buffer: one collective (dtypes of the inputs may differ)
+        local, gathered = list(grads[: len(sizes)]), [g.contiguous() for g in grads[len(sizes):]]
+        if ring.world > 1 and gathered:  # one flat buffer: one collective (the inputs' dtypes may differ)
             dtype = functools.reduce(torch.promote_types, [g.dtype for g in gathered])
             flat = torch.cat([g.reshape(-1).to(dtype) for g in gathered])
             dist.all_reduce(flat, group=ring.group)
             gathered = [part.view_as(g).to(g.dtype) for part, g in zip(flat.split([g.numel() for g in gathered]), gathered)]
-        out = []
-        for g_local, g, rows in zip(local, gathered, sizes):
-            start = sum(rows[: ring.rank])
-            out.append(g_local + g[start : start + rows[ring.rank]])
-        return (None, None, None, *out)
+        it = iter(gathered)
+        for i, rows in enumerate(sizes):
+            if rows is not None:
+                start = sum(rows[: ring.rank])
+                local[i] = local[i] + next(it)[start : start + rows[ring.rank]]
+        return (None, None, *local)
 
 
-def gather_rows_with_grad(xs: Sequence[Tensor], ring: Ring, sizes: Sequence[Sequence[int]],
-                          backward: bool) -> Tuple[List[Tensor], List[Tensor]]:
-    """(each of ``xs`` as itself, each gathered into its global batch), with gradients flowing
-    back to every rank's shards through one collective per backward. ``sizes[i]``: every rank's
-    rows of ``xs[i]``. ``backward``: the ranks agreed that a backward will run (then every rank's
-    node is kept in its graph). Use the returned local tensors, not ``xs``, in the loss."""
-    anchor = torch.empty(0, device=xs[0].device, requires_grad=True) if backward and torch.is_grad_enabled() else None
-    out = _GatherWithGrad.apply(ring, sizes, anchor, *xs)
-    return list(out[: len(xs)]), list(out[len(xs):])
+def gather_rows_with_grad(xs: Sequence[Tensor], ring: Ring, sizes: Sequence[Optional[Sequence[int]]]
+                          ) -> Tuple[List[Tensor], List[Optional[Tensor]]]:
+    """(each of ``xs`` as itself, each with ``sizes[i]`` gathered into its global batch, else
+    ``None``), with gradients flowing back to every rank's shards through one collective per
+    backward. Use the returned local tensors, not ``xs``, everywhere in the loss."""
+    out = _GatherWithGrad.apply(ring, sizes, *xs)
+    it = iter(out[len(xs):])
+    return list(out[: len(xs)]), [None if n is None else next(it) for n in sizes]
 
 
 def gather_with_grad(x: Tensor, ring: Ring, sizes: Sequence[int]) -> Tensor:
     """The global batch (rank order) with gradients flowing back to every rank's shard (the
     OpenCLIP-style gather-with-grad; :func:`gather_rows_with_grad` gathers several at once)."""
-    return _GatherWithGrad.apply(ring, [sizes], None, x)[1]
+    return _GatherWithGrad.apply(ring, [sizes], x)[1]

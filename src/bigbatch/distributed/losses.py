@@ -142,8 +142,7 @@ def ring_clip_loss(
     start = offsets(sizes)[ring.rank]
     if isinstance(backend, str):
         ct = compute_dtype(image.dtype)
-        (image, text), (all_image, all_text) = gather_rows_with_grad(
-            [image, text], ring, [sizes, sizes], backward=bool(table["needs_backward"][0]))
+        (image, text, scale), (all_image, all_text, _) = gather_rows_with_grad([image, text, scale], ring, [sizes, sizes, None])
         all_image, all_text = all_image.to(ct), all_text.to(ct)
         labels = torch.arange(start, start + b, device=image.device)
         per_image = F.cross_entropy(scale * (image.to(ct) @ all_text.t()), labels, reduction="sum")
@@ -193,9 +192,7 @@ def ring_infonce_loss(
     total_q = sum(int(v) for v in table["q_rows"])
     if isinstance(backend, str):
         ct = compute_dtype(q.dtype)
-        q_sizes = [int(v) for v in table["q_rows"]]
-        (q, _), (_, all_keys) = gather_rows_with_grad([q, k], ring, [q_sizes, k_sizes],
-                                                      backward=bool(table["needs_backward"][0]))
+        (q, _, scale), (_, all_keys, _) = gather_rows_with_grad([q, k, scale], ring, [None, k_sizes, None])
         all_keys = all_keys.to(ct)
         per_row = F.cross_entropy(scale * (q.to(ct) @ all_keys.t()), labels, reduction="none")
     else:

@@ -378,12 +378,22 @@ def ring_siglip_loss(
     return loss * norm
 
 
+_PLAIN = (bool, int, float, str, type(None), torch.dtype)
+
+
 def _config_code(backend: object) -> int:
-    """A 32-bit code of the backend's configuration (its fields for a dataclass backend, else its
-    type), exchanged so that ranks whose plans would differ raise instead of exchanging messages of
-    different sizes."""
-    text = repr(backend) if dataclasses.is_dataclass(backend) else f"{type(backend).__module__}.{type(backend).__qualname__}"
-    return zlib.crc32(text.encode())
+    """A 32-bit code of the backend's configuration, exchanged so that ranks whose plans would
+    differ raise instead of exchanging messages of different sizes: its type, and for a dataclass
+    backend the fields holding plain settings (numbers, strings, dtypes; not objects, devices or
+    callables, whose reprs differ between processes)."""
+    kind = type(backend)
+    parts = [f"{kind.__module__}.{kind.__qualname__}"]
+    if dataclasses.is_dataclass(backend):
+        for f in dataclasses.fields(backend):
+            v = getattr(backend, f.name)
+            plain = isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v))
+            parts.append(f"{f.name}={v!r}" if plain else f"{f.name}:{type(v).__qualname__}")
+    return zlib.crc32(";".join(parts).encode())
 
 
 def _plan_and_backend(backend, sizes, q: Tensor, ids: Optional[Tensor], with_grad: bool, chunk_rows: Optional[int]):

@@ -230,8 +230,9 @@ class ChunkProber:
         with forked_rng(devices), buffers_restored([model]), torch.enable_grad():
             def measure(c: int, by_grad: bool) -> Tuple[float, float, float]:
                 # the chunk's tensors that require grad become leaves of the probe's own
+                # copies (a few rows): a forward that writes its input in place must not touch the batch
                 chunk = map_tensors(to_device(split_batch(x, c)[0], device),
-                                    lambda t: t.detach().requires_grad_() if t.requires_grad else t)
+                                    lambda t: t.detach().clone().requires_grad_(t.requires_grad))
                 return _measure(model, chunk, get_rep, autocast_ctx, params, device, by_grad)
 
             def points_of(by_grad: bool) -> List[Tuple[int, float, float, float]]:

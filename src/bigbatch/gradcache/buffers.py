@@ -6,9 +6,10 @@ must see in its re-run the values its first run saw: :class:`BufferStates` keeps
 
 Parameters that do not require grad are state too when a model keeps few of them: EMA codebooks
 and cluster sizes are often stored as ``nn.Parameter(..., requires_grad=False)`` and updated in
-forward through ``.data``. Up to ``RECORD_ALL_BYTES`` of them in all, they are recorded and
-restored like buffers; more (a frozen tower, frozen layers) are taken for frozen weights that a
-forward does not write, and are not copied (store such state as a buffer).
+forward through ``.data``. Up to ``STATE_PARAM_BYTES`` (4 MiB) of them in all, they are recorded
+and restored like buffers (a copy per chunk, held until pass 2); more (a frozen embedding or
+tower, frozen layers) are taken for frozen weights that a forward does not write, and are not
+copied (store larger state as a buffer).
 
 With BatchNorm in training mode every chunk is normalised with its own statistics, in both
 passes alike, so the gradients are exactly those of that chunked model; they are not those of
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
+import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
@@ -30,6 +32,9 @@ from .wrappers import is_ddp
 # change made through ``.data`` (no autograd version bump) is then caught too. Above it (large
 # constant tables), only the buffers seen changing are copied per chunk.
 RECORD_ALL_BYTES = 16 * 2**20
+# Up to this many bytes of parameters that do not require grad, in all, are state (copied per
+# chunk like buffers: an EMA codebook); more are frozen weights (a frozen embedding, a tower).
+STATE_PARAM_BYTES = 4 * 2**20
 
 Slot = Tuple[nn.Module, str, str]  # (module, "_buffers" or "_parameters", name)
 
@@ -57,22 +62,26 @@ def _submodules(modules: Iterable[nn.Module]) -> List[nn.Module]:
 
 def _buffer_slots(modules: Iterable[nn.Module]) -> List[Slot]:
     """Every buffer of ``modules`` (``None`` ones, lazily set later, included)."""
-    return [(mod, "_buffers", name) for mod in _submodules(modules) for name in mod._buffers]
+    return [(mod, "_buffers", name) for mod in _submodules(modules) for name in list(mod._buffers.keys())]
 
 
 def _state_slots(modules: Iterable[nn.Module]) -> List[Slot]:
     """Every buffer, and the parameters that do not require grad if they total at most
-    ``RECORD_ALL_BYTES`` (see the module docstring)."""
+    ``STATE_PARAM_BYTES`` (see the module docstring)."""
     frozen = [(mod, "_parameters", name) for mod in _submodules(modules)
-              for name, p in mod._parameters.items() if p is not None and not p.requires_grad]
-    if sum(_nbytes(_get(slot)) for slot in frozen) > RECORD_ALL_BYTES:
+              for name, p in list(mod._parameters.items()) if p is not None and not p.requires_grad]
+    distinct = {id(_get(slot)): _get(slot) for slot in frozen}  # a shared parameter counts once
+    if sum(map(_nbytes, distinct.values())) > STATE_PARAM_BYTES:
         frozen = []
     return _buffer_slots(modules) + frozen
 
 
 def _get(slot: Slot) -> Any:
     """The slot's tensor, ``None``, or ``ABSENT`` when the name is no longer registered."""
-    return getattr(slot[0], slot[1]).get(slot[2], ABSENT)
+    table = getattr(slot[0], slot[1])
+    if isinstance(table, dict):
+        return table.get(slot[2], ABSENT)
+    return table[slot[2]] if slot[2] in table.keys() else ABSENT  # a TorchScript module's wrapper
 
 
 def _copy(t: Any) -> Any:
@@ -97,7 +106,8 @@ def _put(slot: Slot, value: Any, original: Optional[Tensor]) -> None:
     if value is ABSENT:
         table.pop(name, None)
         return
-    buf = table.get(name)
+    buf = _get(slot)
+    buf = None if buf is ABSENT else buf
     if value is None:
         table[name] = None
     elif buf is not None and original is not None and buf is original and not is_lazy(buf) and buf.shape == value.shape \
@@ -197,7 +207,9 @@ def _at_forward_start(models: Sequence[nn.Module], fn: Callable[[], None]) -> It
             done[0] = True
             fn()
 
-    handles = [(m.module if is_ddp(m) else m).register_forward_pre_hook(hook, prepend=True) for m in models]
+    # a TorchScript module takes no hooks: its record is the one taken just before its forward
+    targets = [m.module if is_ddp(m) else m for m in models]
+    handles = [m.register_forward_pre_hook(hook, prepend=True) for m in targets if not isinstance(m, torch.jit.ScriptModule)]
     try:
         yield
     finally:

@@ -27,7 +27,7 @@ from .budget import ChunkProber, MemoryArg, allocated_now, parse_memory, plannin
 from .chunking import batch_size, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, backprop, encode, finalize_plan
 from .inputs import backward_into_originals, inputs_require_grad, with_boundaries
-from .wrappers import DDP_SYNC_MODES, check_not_fsdp, is_ddp
+from .wrappers import DDP_SYNC_MODES, check_not_fsdp, check_not_parametrize_cached, is_ddp
 
 _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 # Chunk sizes and kept graphs are planned against 95% of the budget (the 5%: allocator rounding and
@@ -265,6 +265,7 @@ class GradCache:
             raise ValueError("GradCache needs at least one input")
         if torch.is_inference_mode_enabled():
             raise RuntimeError("GradCache runs a backward: it cannot run under torch.inference_mode()")
+        check_not_parametrize_cached("GradCache")
         ddp_sync = self.ddp_sync if no_sync_except_last is None else ("last_chunk" if no_sync_except_last else "every_chunk")
         models = self._models_for(len(inputs))
         # A model is re-run if a parameter or an input tensor of it requires grad; a frozen one
@@ -282,13 +283,17 @@ class GradCache:
             if self.split_input_fn is None:  # the built-in split needs batched tensors it can see
                 batch_size(x, f"inputs[{i}]", hint="pass split_input_fn= to split another type")
             for chunk in split_chunks(x, c, split_input_fn=self.split_input_fn, from_budget=self.chunk_sizes is None):
-                units.append(Unit(i, m, chunk, chunk_rows(chunk, self.split_input_fn is not None, f"a chunk of inputs[{i}]")))
+                units.append(Unit(i, m, chunk, chunk_rows(chunk, self.split_input_fn is not None, f"a chunk of inputs[{i}]"),
+                                  rerun=trainable[i]))
         self._plan_keep(units, costs, usable, trainable)
         finalize_plan(units, ddp_sync)
         self.last_chunk_sizes, self.last_kept = sizes, sum(u.keep for u in units)
         opts = EngineOptions(self.get_rep_fn or _identity, self.autocast_dtype, self.offload_inputs, self.offload_reps, ddp_sync)
         try:
             reps = encode(units, opts, len(inputs))
+            # an input whose representation required grad without a registered trainable parameter
+            # (engine.EngineOptions.detect_hidden) is trained after all
+            trainable = [t or any(u.rerun for u in units if u.input_index == i) for i, t in enumerate(trainable)]
             self.last_chunk_rows = [[u.rows for u in units if u.input_index == i] for i in range(len(inputs))]
             self.last_kept_rows = [sum(u.rows for u in units if u.keep and u.input_index == i) for i in range(len(inputs))]
             for i, (r, t) in enumerate(zip(reps, trainable)):

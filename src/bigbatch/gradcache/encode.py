@@ -26,7 +26,7 @@ from .cache import _BUDGET_FRACTION, _identity, check_options, default_budget
 from .chunking import batch_size, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, _autocast, backprop, encode, finalize_plan
 from .inputs import Pairs, inputs_require_grad, with_boundaries
-from .wrappers import check_not_fsdp, is_ddp
+from .wrappers import check_not_fsdp, check_not_parametrize_cached, is_ddp
 
 _PROBER = ChunkProber()
 
@@ -134,6 +134,8 @@ def cached_encode(
         inputs = pin(inputs)
     trained = any(p.requires_grad for p in model.parameters())
     needs_grad = torch.is_grad_enabled() and (trained or inputs_require_grad(inputs))
+    if needs_grad:
+        check_not_parametrize_cached("cached_encode")
 
     # inputs that require grad: chunks are cut from boundaries whose gradients the node returns
     bounded, pairs = with_boundaries(inputs, leaves_too=True) if needs_grad else (inputs, [])
@@ -150,15 +152,25 @@ def cached_encode(
     units = [Unit(0, model, c, chunk_rows(c, split_input_fn is not None, "a chunk of inputs")) for c in chunks]
     # no autocast at the forward: none in the backward's re-runs either, whatever region it runs in
     opts = EngineOptions(get_rep, autocast_dtype, offload_inputs, offload_reps, ddp_sync, inherit_autocast=False)
-    if not needs_grad:
+    if not needs_grad:  # no registered parameter or input is trained: plain no-grad forwards ...
+        for u in units:
+            u.rerun = False
+        detect = replace(opts, detect_hidden=torch.is_grad_enabled())
         with torch.no_grad():
-            return encode(units, opts, 1)[0]
-    units[-1].keep = keep_last_graph
-    finalize_plan(units, ddp_sync)
+            rep = encode(units, detect, 1)[0]
+        if not any(u.rerun for u in units):
+            return rep
+        # ... unless, in grad mode, a representation required grad all the same (a trainable tensor
+        # the model does not register): its chunks are re-run in the backward like any others
+    else:
+        units[-1].keep = keep_last_graph
+        finalize_plan(units, ddp_sync)
+        # pass 1 runs before the node is made, so the node lists the parameters as the first forward
+        # left them (a lazy module's are materialised by then; backward(inputs=...) can name them)
+        with torch.no_grad():
+            rep = encode(units, opts, 1)[0]
+        if units[-1].keep and len(units) == 1:  # the kept graph's own output: a copy, so in-place ops stay allowed
+            rep = rep.clone()
     anchor = torch.empty(0, device=device, requires_grad=True)
-    # pass 1 runs before the node is made, so the node lists the parameters as the first forward
-    # left them (a lazy module's are materialised by then; backward(inputs=...) can name them)
-    with torch.no_grad():
-        rep = encode(units, opts, 1)[0]
     params = [p for p in model.parameters() if p.requires_grad]
     return _CachedEncode.apply(anchor, [rep], units, opts, pairs, *[o for o, _ in pairs], *params)

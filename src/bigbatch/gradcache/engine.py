@@ -43,6 +43,7 @@ class Unit:
     chunk: Any
     rows: Optional[int]  # None: a custom chunk type, set from its representation in pass 1
     keep: bool = False
+    rerun: bool = True  # False: nothing back-propagates it (a frozen tower; a forward under no_grad)
     rng: Optional[RngState] = None
     kept_rep: Optional[Tensor] = None
     buffers: Optional[Tuple[BufferStates, Dict[int, Tensor]]] = None  # the buffers its pass-1 forward saw
@@ -60,6 +61,10 @@ class EngineOptions:
     # with autocast_dtype None: False runs both passes with autocast off (cached_encode's forward ran
     # outside autocast, its backward may run inside); True leaves the caller's state (GradCache)
     inherit_autocast: bool = True
+    # pass 1 of a unit not to be re-run runs in grad mode (free: a frozen model records nothing) and
+    # is flagged for a re-run if its representation requires grad all the same -- a trainable tensor
+    # the model does not register (a projection in get_rep_fn, torch.func.functional_call weights)
+    detect_hidden: bool = True
 
 
 def _autocast(device: torch.device, dtype: Optional[torch.dtype], inherit: bool = True) -> Callable[[], Any]:
@@ -78,7 +83,8 @@ def _no_autocast(device: torch.device, dtype: Optional[torch.dtype], inherit: bo
 
 def _rep(opts: EngineOptions, model: nn.Module, chunk: Any, rows: Optional[int], graph: bool = True) -> Tensor:
     """The chunk's representation; ``graph``: one whose gradient is needed (a kept or re-run chunk)."""
-    rep = opts.get_rep(call_model(model, chunk))
+    out = call_model(model, chunk)
+    rep = opts.get_rep(out)
     if not isinstance(rep, Tensor):
         raise TypeError(f"get_rep_fn must return a tensor, got {type(rep).__name__}; pass get_rep_fn=...")
     if rows is None and rep.dim() > 0:
@@ -86,7 +92,10 @@ def _rep(opts: EngineOptions, model: nn.Module, chunk: Any, rows: Optional[int],
     if rep.dim() == 0 or rep.shape[0] != rows:
         raise ValueError(f"the representation of a {rows}-row chunk has shape {tuple(rep.shape)}; "
                          "dimension 0 must be the batch")
-    if graph and torch.is_grad_enabled() and not rep.requires_grad:  # a chunk whose gradient is needed
+    # a chunk whose gradient is needed: a representation without grad is an error when the model's
+    # output had one (get_rep_fn detached it); an output without any means this forward used no
+    # trainable tensor (a wrapper calling only a frozen tower of a shared model): no gradient to send
+    if graph and torch.is_grad_enabled() and not rep.requires_grad and any(t.requires_grad for t in tensor_leaves(out)):
         raise ValueError(
             f"get_rep_fn returned a representation that does not require grad ({rep.dtype}"
             f"{', detached' if rep.is_floating_point() else ''}) from an encoder that is trained: it must be a "
@@ -143,6 +152,24 @@ def pass1_grad_mode(mirror: bool) -> Any:
     return torch.enable_grad() if mirror else torch.no_grad()
 
 
+class Written:
+    """Version counters of a chunk's input tensors around its first forward: a forward that writes
+    its input in place (``x.div_(255)``) would leave its re-run a different input, so it is an
+    error, not a silently wrong gradient. (An offloaded chunk is re-staged from the untouched
+    source, so writes into its device copy are harmless and not seen here.)"""
+
+    def __init__(self, chunk: Any) -> None:
+        self.tensors = tensor_leaves(chunk)
+        self.versions = [t._version for t in self.tensors]
+
+    def check(self, rerun: bool) -> None:
+        if rerun and any(t._version != v for t, v in zip(self.tensors, self.versions)):
+            raise RuntimeError(
+                "the encoder's forward modified its input in place (e.g. x.div_(255)); gradient caching "
+                "re-runs each chunk on its input, which would no longer be the same: use out-of-place "
+                "ops on the input (x = x / 255) or clone it inside forward")
+
+
 def _first_run(u: Unit, chunk: Any, opts: EngineOptions, devices: List[int], mirror: bool) -> Tensor:
     """Pass 1 of one chunk: with a kept graph, or without a graph under a captured random state
     (of ``devices``, the model's CUDA devices, and those of the chunk's tensors). Returns the
@@ -154,8 +181,15 @@ def _first_run(u: Unit, chunk: Any, opts: EngineOptions, devices: List[int], mir
         rep = compact(rep)
     else:
         u.rng = RngState(sorted(set(devices) | set(cuda_devices_of(tensor_leaves(chunk)))))
-        with pass1_grad_mode(mirror):
-            rep = compact(_rep(opts, u.model, chunk, u.rows, graph=False))
+        mirror = mirror and u.rerun
+        detect = opts.detect_hidden and not u.rerun
+        # a mirrored forward builds a graph: under no_sync, so that DDP neither arms its reducer
+        # nor re-broadcasts buffers before the next chunk
+        with sync_context(u.model, sync=not (mirror or detect))(), pass1_grad_mode(mirror or detect):
+            rep = _rep(opts, u.model, chunk, u.rows, graph=False)
+        if detect and rep.requires_grad:
+            u.rerun = True
+        rep = compact(rep)
     if u.rows is None:  # a custom chunk: its rows are its representation's
         u.rows = rep.shape[0]
     return rep
@@ -178,8 +212,10 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
         # for the pass) instead of re-casting every weight per chunk.
         with amp():
             for u, chunk in zip(mine, staged([u.chunk for u in mine], device, opts.offload_inputs)):
+                written = Written(u.chunk)
                 with recording(states, [u.model]) as record:
                     rep = _first_run(u, chunk, opts, devices, mirror)
+                written.check(u.rerun and not u.keep)
                 if not u.keep:
                     u.buffers = (states, record["record"])
                 per_input[i].append(rep.to("cpu", non_blocking=False) if opts.offload_reps else rep)
@@ -217,7 +253,8 @@ def backprop_kept(units: Sequence[Unit], slices: Dict[int, Tensor], opts: Engine
         rep, u.kept_rep = u.kept_rep, None
         if k in slices:
             with sync_context(u.model, sync=False)(), GradAccumulation(u.model).chunk():
-                torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype), inputs=opts.grad_targets)
+                if rep.requires_grad:
+                    torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype), inputs=opts.grad_targets)
         del rep
 
 
@@ -258,6 +295,7 @@ def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tens
                 states, record = u.buffers
                 with restoring(states, record, [u.model]), torch.enable_grad(), u.rng.replay():
                     rep = _rep(opts, u.model, chunk, u.rows)
-                with no_amp(), acc.chunk():
-                    torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype), inputs=opts.grad_targets)
+                if rep.requires_grad:
+                    with no_amp(), acc.chunk():
+                        torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype), inputs=opts.grad_targets)
             del rep

@@ -43,8 +43,9 @@ from torch import Tensor, nn
 
 from .buffers import BufferStates, buffers_restored, recording, restoring
 from .chunking import tensor_leaves
-from .engine import compact, grad_mode_dependent, pass1_grad_mode
+from .engine import Written, compact, grad_mode_dependent, pass1_grad_mode
 from .rng import RngState, cuda_devices_of
+from .wrappers import check_not_parametrize_cached
 
 Reps = Union[Tensor, Tuple[Tensor, ...]]
 
@@ -85,6 +86,7 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
 
     @functools.wraps(func)
     def cache_func(*args: Any, **kwargs: Any):
+        check_not_parametrize_cached(f"cached({func.__name__})")
         rng = RngState(_cuda_devices(args, kwargs))
         amp = _autocast_state()
         # modules passed to func: the re-run starts from the buffers this call saw, and leaves them
@@ -93,8 +95,10 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
         states = BufferStates(modules)
         # grad mode off, as the public package; on (graph dropped) where a module's forward would
         # take another path without it (engine.grad_mode_dependent), so the re-run matches
+        written = Written((list(args), kwargs))
         with recording(states, modules) as box, pass1_grad_mode(any(map(grad_mode_dependent, modules))):
             out = func(*args, **kwargs)
+        written.check(rerun=True)
         record = box["record"]
         first = _as_tuple(out, func.__name__)
         # compact: a view such as out[:, 0] would keep the sub-batch's whole output alive

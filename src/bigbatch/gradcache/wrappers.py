@@ -27,6 +27,18 @@ def is_ddp(model: nn.Module) -> bool:
     return isinstance(model, DistributedDataParallel)
 
 
+def check_not_parametrize_cached(what: str) -> None:
+    """Inside ``torch.nn.utils.parametrize.cached()`` a parametrized weight is computed once and
+    reused: pass 1 (without a graph) would fill the cache with a weight that has no graph, and every
+    re-run would reuse it, so the parametrization's own parameters would get no gradient."""
+    from torch.nn.utils import parametrize
+
+    if getattr(parametrize, "_cache_enabled", 0):
+        raise RuntimeError(f"{what} cannot run inside torch.nn.utils.parametrize.cached(): the weights cached "
+                           "by its first, graph-free forward would give the parametrizations no gradient; call "
+                           "it outside the cached() block")
+
+
 def check_not_fsdp(model: nn.Module) -> None:
     """Raise ``NotImplementedError`` (with the reason) if ``model`` or a submodule is FSDP-wrapped,
     or ``ValueError`` for a DDP module built with ``static_graph=True``."""
