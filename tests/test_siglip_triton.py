@@ -151,3 +151,82 @@ def test_gpu_kernel_matches_float64(dtype, tol, n_classes):
 def test_gpu_tf32_option_and_large_d():
     case = _case(1500, 768, torch.float32, seed=6, device="cuda")
     _compare(TritonSigmoid(fp32_precision="tf32"), *case, 5e-3)
+
+
+def _trained_case(b, d, dtype, scale, bias, device, seed=3):
+    """Positives aligned (u >> 0), negatives near orthogonal (u << 0): a trained SigLIP model,
+    where the per-pair gradients G = sigmoid(u) of the negatives are tiny."""
+    g = torch.Generator().manual_seed(seed)
+    eye = torch.eye(b, d, dtype=torch.float64)
+    q = torch.nn.functional.normalize(eye + 0.05 * torch.randn(b, d, generator=g, dtype=torch.float64), dim=1)
+    k = torch.nn.functional.normalize(eye + 0.05 * torch.randn(b, d, generator=g, dtype=torch.float64), dim=1)
+    q = q.to(device=device, dtype=dtype).requires_grad_()
+    k = k.to(device=device, dtype=dtype).requires_grad_()
+    log_scale = torch.tensor(math.log(scale), dtype=torch.float32, device=device, requires_grad=True)
+    bias_t = torch.tensor(bias, dtype=torch.float32, device=device, requires_grad=True)
+    return q, k, None, log_scale, bias_t
+
+
+def _scaled_grads_error(backend, case, loss_scale=65536.0):
+    """Relative errors of d image and d text of ``loss * loss_scale`` (as a GradScaler scales an
+    fp16 loss, so that fp16 gradients do not underflow) against float64 on the same inputs."""
+    q, k, labels, log_scale, bias = case
+    loss = bigbatch.siglip_loss(q, k, log_scale.exp(), bias, labels=labels, backend=backend)
+    got = torch.autograd.grad(loss * loss_scale, (q, k))
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    ref = reference.siglip_loss(q64, k64, log_scale.detach().double().exp(), bias.detach().double(), labels)
+    want = torch.autograd.grad(ref * loss_scale, (q64, k64))
+    return [((a.double() - r).norm() / r.norm()).item() for a, r in zip(got, want)]
+
+
+@pytest.mark.parametrize("scale,bias", [(10.0, -10.0), (50.0, -25.0)])
+def test_fp16_gradients_of_a_trained_model(scale, bias):
+    """fp16 inputs keep the per-pair gradients G in an fp16 workspace: stored as is, |G| < 6e-8
+    vanished before any loss scaling could help (dq off by 0.18 at scale 50, bias -25); stored
+    times 2^15 and scaled back exactly in the products, they keep fp16 precision down to
+    |G| ~ 2e-9 and the gradients stay at the inputs' rounding, as the torch backend's (fp32 G)."""
+    errs = _scaled_grads_error(TritonSigmoid(tile_rows=32, tile_cols=48), _trained_case(64, 64, torch.float16, scale, bias, DEVICE))
+    assert max(errs) < 2e-3, errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale,bias", [(10.0, -10.0), (50.0, -25.0)])
+def test_gpu_fp16_gradients_of_a_trained_model(scale, bias):
+    errs = _scaled_grads_error("triton", _trained_case(1024, 1024, torch.float16, scale, bias, "cuda"))
+    assert max(errs) < 2e-3, errs
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_products_ignore_the_global_tf32_setting():
+    """fp32_precision='ieee' (the default) holds even when the caller allows TF32 globally: the
+    gradient products on cuBLAS are run at full fp32 precision."""
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        case = _case(1500, 768, torch.float32, seed=6, device="cuda")
+        _compare(TritonSigmoid(), *case, 1e-5)
+        assert torch.get_float32_matmul_precision() == "high"  # the caller's setting is left as it was
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+@pytest.mark.gpu
+def test_gpu_tile_past_two_to_the_31_elements():
+    """A tall tile (many queries against a small key chunk, as the ring's uneven shards give) has
+    row offsets past 2^31 elements: 64-bit offsets (it read out of bounds before)."""
+    m, n, d = 1_100_000, 8, 2048
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(m, d, device="cuda", dtype=torch.float16, generator=g) * 0.03
+    k = torch.randn(n, d, device="cuda", dtype=torch.float16, generator=g) * 0.03
+    s, b = torch.tensor(4.0, device="cuda"), torch.tensor(-2.0, device="cuda")
+    dq = torch.zeros(m, d, device="cuda")
+    dk = torch.zeros(n, d, device="cuda")
+    loss, _ = TritonSigmoid(tile_rows=m, tile_cols=n).sigmoid_pass(q, k, s, b, diagonal=None, dq_acc=dq, dk_acc=dk)
+    from bigbatch.backends.torch_sigmoid import TorchSigmoid
+
+    dq_ref = torch.zeros_like(dq)
+    dk_ref = torch.zeros_like(dk)
+    ref, _ = TorchSigmoid().sigmoid_pass(q, k, s, b, diagonal=None, dq_acc=dq_ref, dk_acc=dk_ref)
+    assert_rel(loss, ref, 1e-4, "loss")
+    assert_rel(dq, dq_ref, 1e-2, "dq")
+    assert_rel(dk, dk_ref, 1e-2, "dk")

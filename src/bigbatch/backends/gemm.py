@@ -8,7 +8,8 @@ is trusted), else a fp32-output GEMM plus an add, else up-cast operands (CPU).
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -33,18 +34,18 @@ def _mm_acc_mode(device: torch.device) -> str:
     a = torch.randn(64, 96, device=device, generator=gen).to(torch.bfloat16)
     b = torch.randn(96, 48, device=device, generator=gen).to(torch.bfloat16)
     acc0 = torch.randn(64, 48, device=device, generator=gen)
-    want = acc0.double() + a.double() @ b.double()
+    want = acc0.double() + 0.5 * (a.double() @ b.double())  # with an alpha, as mm_acc may pass one
     mode = "upcast"
     try:
         acc = acc0.clone()
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc, alpha=0.5)
         if (acc.double() - want).abs().max().item() < 1e-3:
             mode = "addmm_out_dtype"
     except (RuntimeError, TypeError, NotImplementedError):
         pass
     if mode == "upcast":
         try:
-            acc = acc0 + torch.mm(a, b, out_dtype=torch.float32)
+            acc = acc0 + 0.5 * torch.mm(a, b, out_dtype=torch.float32)
             if (acc.double() - want).abs().max().item() < 1e-3:
                 mode = "mm_out_dtype"
         except (RuntimeError, TypeError, NotImplementedError):
@@ -53,15 +54,31 @@ def _mm_acc_mode(device: torch.device) -> str:
     return mode
 
 
-def mm_acc(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """``acc += a @ b`` with fp32 (or fp64) accumulation whatever the dtype of a and b."""
+def mm_acc(acc: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> None:
+    """``acc += alpha * (a @ b)`` with fp32 (or fp64) accumulation whatever the dtype of a and b
+    (``alpha`` a power of two undoes a scaling of ``a`` exactly)."""
     if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
+        acc.addmm_(a, b, alpha=alpha)
         return
     mode = _mm_acc_mode(acc.device)
     if mode == "addmm_out_dtype":
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc, alpha=alpha)
     elif mode == "mm_out_dtype":
-        acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
+        acc.add_(torch.mm(a, b, out_dtype=acc.dtype), alpha=alpha)
     else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), alpha=alpha)
+
+
+@contextlib.contextmanager
+def fp32_matmul(precision: Optional[str]) -> Iterator[None]:
+    """torch's fp32 matmul precision for the block: ``"ieee"`` full fp32, ``"tf32"`` TF32 (cuBLAS
+    fp32 GEMMs otherwise follow the caller's global setting); ``None`` leaves it."""
+    if precision is None:
+        yield
+        return
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest" if precision == "ieee" else "high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old)

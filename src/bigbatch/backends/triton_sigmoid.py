@@ -29,7 +29,7 @@ import triton.language as tl
 from . import triton_runs_on
 from .base import compute_dtype
 from .torch_sigmoid import check_ids
-from .gemm import mm_acc
+from .gemm import fp32_matmul, mm_acc
 from .torch_tiles import blocks
 
 # Bytes of the G workspace tile chosen automatically (GPU); the interpreter uses small tiles.
@@ -66,7 +66,7 @@ def _siglip_tile_kernel(
     M, N, D, diagonal,
     stride_qm, stride_kn, stride_gm,
     HAS_IDS: tl.constexpr, WRITE_G: tl.constexpr, EVEN_K: tl.constexpr, MASK_MN: tl.constexpr,
-    PRECISION: tl.constexpr, FAST: tl.constexpr,
+    PRECISION: tl.constexpr, FAST: tl.constexpr, G_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Grouped program order: GROUP_M row blocks share their column blocks while those sit in L2.
@@ -84,8 +84,9 @@ def _siglip_tile_kernel(
     rk = tl.arange(0, BLOCK_K)
     mask_m = rm < M
     mask_n = rn < N
-    q_ptrs = Q + rm[:, None] * stride_qm + rk[None, :]
-    k_ptrs = K + rn[:, None] * stride_kn + rk[None, :]
+    # 64-bit row offsets: a tall tile (a small key chunk against many queries) passes 2^31 elements
+    q_ptrs = Q + rm.to(tl.int64)[:, None] * stride_qm + rk[None, :]
+    k_ptrs = K + rn.to(tl.int64)[:, None] * stride_kn + rk[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         if EVEN_K and not MASK_MN:  # no tails anywhere in this launch: unmasked loads
@@ -128,7 +129,8 @@ def _siglip_tile_kernel(
     tl.store(LOSS_PART + pid, tl.sum(tl.sum(loss, axis=1), axis=0))
     tl.store(GSUM_PART + pid, tl.sum(tl.sum(g, axis=1), axis=0))
     if WRITE_G:
-        g_ptrs = G + rm[:, None] * stride_gm + rn[None, :]
+        g_ptrs = G + rm.to(tl.int64)[:, None] * stride_gm + rn[None, :]
+        g = g * G_SCALE  # fp16: |G| <= 1 lifted out of fp16's subnormal range (undone in the products)
         if MASK_MN:
             tl.store(g_ptrs, g.to(G.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
         else:
@@ -265,6 +267,10 @@ class TritonSigmoid:
         g_sum = torch.zeros((), dtype=ct, device=q.device)
         # input_precision only matters for fp32 operands (16-bit operands always use the tensor cores).
         precision = self.fp32_precision if q.dtype == torch.float32 else "tf32"
+        # G is stored in the features' dtype: in fp16, |G| < 6e-5 would lose bits and < 6e-8 vanish
+        # (a trained model's negatives, before any loss scaling reaches them); stored times 2^15
+        # (|G| <= 1, so <= 32768 < 65504) and products scaled back by exactly 2^-15
+        g_scale = 2.0 ** 15 if q.dtype == torch.float16 else 1.0
         for rs in blocks(m, tr):
             tm = rs.stop - rs.start
             for cs in blocks(n, tc):
@@ -285,14 +291,16 @@ class TritonSigmoid:
                     q.stride(0), k.stride(0), tn,
                     HAS_IDS=q_ids is not None, WRITE_G=write_g, EVEN_K=d % bk == 0,
                     MASK_MN=tm % bm != 0 or tn % bn != 0, PRECISION=precision, FAST=self.fast_math and q.is_cuda and torch.version.hip is None,
+                    G_SCALE=g_scale,
                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                     **launch_opts,
                 )
                 sums = parts[:, : grid[0]].sum(dim=1, dtype=ct)
                 loss += sums[0]
                 g_sum += sums[1]
-                if dq_acc is not None:
-                    mm_acc(dq_acc[rs], g_tile, k[cs])
-                if dk_acc is not None:
-                    mm_acc(dk_acc[cs], g_tile.t(), q[rs])
+                with fp32_matmul(self.fp32_precision if q.dtype == torch.float32 else None):
+                    if dq_acc is not None:
+                        mm_acc(dq_acc[rs], g_tile, k[cs], alpha=1.0 / g_scale)
+                    if dk_acc is not None:
+                        mm_acc(dk_acc[cs], g_tile.t(), q[rs], alpha=1.0 / g_scale)
         return loss, g_sum

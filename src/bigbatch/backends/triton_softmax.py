@@ -290,9 +290,8 @@ class TritonTiles:
             (the same (rows, D) view, rows contiguous). cuBLAS wants one operand dtype, so fp16
             features meeting the bf16 dS workspace are rounded to bf16, as the Triton products do
             in registers (a copy of rows * D elements; bf16 inputs: no copy)."""
-            if kmajor:
-                return x.t().contiguous().t()
-            return x.to(ws_dtype) if products == "cublas" else x
+            x = x.to(ws_dtype) if products == "cublas" else x
+            return x.t().contiguous().t() if kmajor else x
 
         def tiles(m_: int) -> int:
             return triton.cdiv(m_, cfg.mm_block_m) * triton.cdiv(d, cfg.mm_block_n)
