@@ -261,12 +261,12 @@ def test_state_parameters_keep_their_identity():
 
 
 def test_many_frozen_parameters_are_taken_for_frozen_weights(monkeypatch):
-    """Beyond STATE_PARAM_BYTES of them (a frozen tower) frozen parameters are not copied per chunk."""
+    """Beyond WATCH_PARAM_BYTES of them (a frozen tower) frozen parameters are not watched at all."""
     from bigbatch.gradcache import buffers
 
     m = FrozenParamScale().to(F64)
     assert any(s[1] == "_parameters" for s in buffers.BufferStates([m]).slots)
-    monkeypatch.setattr(buffers, "STATE_PARAM_BYTES", 8)
+    monkeypatch.setattr(buffers, "WATCH_PARAM_BYTES", 8)
     assert not any(s[1] == "_parameters" for s in buffers.BufferStates([m]).slots)
 
 
@@ -446,3 +446,28 @@ def test_lazy_modules(api):
     torch.manual_seed(1)
     step_with(api, m, x, y, 4)
     check_grads(list(m.parameters()), grads(list(ref.parameters())), 1e-10, f"lazy modules, {api}")
+
+
+class BigFrozenAndState(FrozenParamScale):
+    """A 6 MiB frozen weight the forward only reads, beside the small frozen state it writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(6, 2**17), requires_grad=False)  # 6 MiB in float64
+
+    def forward(self, v):
+        return super().forward(v) + self.table[:, :1].sum() * 0.0
+
+
+@pytest.mark.parametrize("api", ["gradcache_nokeep", "cached_encode", "functional"])
+def test_frozen_parameters_are_watched_and_only_written_ones_recorded(api):
+    """The first chunk's forward shows which frozen parameters a forward writes: only those are
+    copied per chunk (the 6 MiB read-only table is not), and the written one replays exactly."""
+    from bigbatch.gradcache.buffers import BufferStates, recording
+
+    m, ref = against_reference(BigFrozenAndState, api, 7, "big frozen table + frozen state")
+    assert torch.allclose(m.scale, ref.scale, rtol=1e-12)
+    states = BufferStates([m])
+    with recording(states, [m]):
+        m(torch.randn(3, 5, dtype=F64))
+    assert [states.slots[i][2] for i in states.always] == ["scale"]

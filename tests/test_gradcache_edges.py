@@ -525,3 +525,50 @@ def test_an_eval_transformer_under_no_grad_builds_no_graph():
     with torch.no_grad():
         out = cached_encode(m, (x, pad), 3)
     assert seen == [False, False] and not out.requires_grad
+
+
+class _NoGradEncoder(nn.Module):
+    """Trainable parameters, but a forward that builds no graph (a bug in the caller's model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 8).to(F64)
+
+    def forward(self, x):
+        with torch.no_grad():
+            return self.lin(x)
+
+
+def test_an_encoder_that_builds_no_graph_is_still_an_error():
+    """A plain step's backward would fail (no grad_fn): GradCache raises rather than train nothing;
+    cached_encode, whose plain counterpart would just have no grad_fn, warns."""
+    x = torch.randn(6, 6, dtype=F64)
+    with pytest.raises(ValueError, match="no chunk of a trained encoder built a graph"):
+        GradCache(_NoGradEncoder(), 2, clip)(x, x)
+    m = _NoGradEncoder()
+    with pytest.warns(UserWarning, match="no chunk of the encoder built a graph"):
+        clip(cached_encode(m, x, 2), cached_encode(m, x, 2)).backward()
+    assert m.lin.weight.grad is None
+
+
+def test_parametrize_cached_around_a_parametrized_loss_head_is_fine():
+    from torch.nn.utils import parametrize
+
+    head = nn.Linear(8, 8).to(F64)
+    parametrize.register_parametrization(head, "weight", nn.Identity())
+    m = nn.Linear(6, 8).to(F64)
+    x = torch.randn(4, 6, dtype=F64)
+    with parametrize.cached():
+        GradCache(m, 2, lambda q, p: clip(head(q), p))(x, x)
+    assert m.weight.grad is not None and head.parametrizations.weight.original.grad is not None
+
+
+def test_inference_tensors_as_inputs_of_a_frozen_tower():
+    with torch.inference_mode():
+        ids = torch.randn(6, 6, dtype=F64)
+    frozen = nn.Linear(6, 8).to(F64).requires_grad_(False)
+    trained = nn.Linear(6, 8).to(F64)
+    GradCache([frozen, trained], 2, clip)(ids, torch.randn(6, 6, dtype=F64))
+    with torch.no_grad():
+        assert cached_encode(frozen, ids, 2).shape == (6, 8)
+    assert trained.weight.grad is not None

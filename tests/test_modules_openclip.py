@@ -72,6 +72,14 @@ def _two_ranks(rank, world):
         out["mismatch"] = None
     except ValueError as exc:
         out["mismatch"] = str(exc)
+    # copies share the group, as OpenCLIP's modules copy (a ProcessGroup cannot be deep-copied)
+    import copy
+    import pickle
+
+    ql = q[sl].clone().requires_grad_()
+    original = bigbatch.ClipLoss(True, True, rank=rank, world_size=world)
+    for how, clone in (("deepcopy", copy.deepcopy(original)), ("pickle", pickle.loads(pickle.dumps(original)))):
+        out[how] = (clone.group is dist.group.WORLD, torch.equal(clone(ql, k[sl], 3.0), out["openclip_args"][0]))
     return out
 
 
@@ -86,6 +94,7 @@ def test_rank_and_world_size_mean_the_default_group():
         # DDP averages over ranks: the averaged gradient of this rank's rows is the global one
         assert torch.allclose(out["openclip_args"][1], q.grad[rank * 5:rank * 5 + 5] * 2, rtol=1e-9)
         assert "do not match the process group" in out["mismatch"]
+        assert out["deepcopy"] == (True, True) and out["pickle"] == (True, True)
     assert torch.allclose(sum(o["openclip_args"][0] for o in res) / 2, ref.detach(), rtol=1e-10)
 
 
@@ -100,3 +109,7 @@ def test_clip_forward_takes_openclip_logit_bias():
     out["contrastive_loss"].backward()
     assert bias.grad is not None and bias.grad.item() == 0.0
     assert torch.is_tensor(bigbatch.ClipLoss()(q, k, 3.0, None))  # positional bias, no dict
+    # a per-logit bias would change the loss (OpenCLIP adds it to the logits): refused, not ignored
+    with pytest.raises(ValueError, match="logit_bias must be a scalar"):
+        bigbatch.ClipLoss()(q, k, 3.0, torch.zeros(7))
+    assert torch.isnan(bigbatch.ClipLoss()(q, k, 3.0, torch.tensor(float("nan"))))  # NaN in, NaN out, as there

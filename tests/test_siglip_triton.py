@@ -230,3 +230,31 @@ def test_gpu_tile_past_two_to_the_31_elements():
     assert_rel(loss, ref, 1e-4, "loss")
     assert_rel(dq, dq_ref, 1e-2, "dq")
     assert_rel(dk, dk_ref, 1e-2, "dk")
+
+
+@pytest.mark.parametrize("api", ["legacy", "backend"])
+def test_fp32_matmul_restores_the_callers_setting(api):
+    """The products' precision guard sets the CUDA matmul's own setting and puts back exactly what
+    the caller had, whichever of torch's two APIs the caller used (mixing them made torch raise)."""
+    from bigbatch.backends.gemm import fp32_matmul
+
+    mm = torch.backends.cuda.matmul
+    if api == "backend" and not hasattr(mm, "fp32_precision"):
+        pytest.skip("this torch has only the legacy API")
+    old_legacy, old_backend = torch.get_float32_matmul_precision(), getattr(mm, "fp32_precision", None)
+    try:
+        if api == "legacy":
+            torch.set_float32_matmul_precision("high")
+        else:
+            mm.fp32_precision = "tf32"
+        def state():
+            return mm.fp32_precision if hasattr(mm, "fp32_precision") else ("tf32" if mm.allow_tf32 else "ieee")
+
+        before = state()
+        with fp32_matmul("ieee"):
+            assert state() == "ieee"
+        assert state() == before
+    finally:
+        if old_backend is not None:
+            mm.fp32_precision = old_backend
+        torch.set_float32_matmul_precision(old_legacy)

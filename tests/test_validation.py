@@ -120,3 +120,25 @@ def test_siglip_bad_inputs(bad):
         q, fragment = q.to_sparse(), "image_features must be a dense"
     with pytest.raises((ValueError, TypeError), match=fragment):
         bigbatch.siglip_loss(q, k, 2.0, bias)
+
+
+@pytest.mark.parametrize("block", [(24, 32, 32, 4, 1), (32.0, 32, 32, 4, 1), ("a", 32, 32, 4, 1), 5,
+                                   [32, 32, 32, 4, 1], (32, 32, 32, 3, 1), (32, 32, 32, 4, 0)])
+def test_triton_sigmoid_block_is_checked_at_construction(block):
+    pytest.importorskip("triton")
+    from bigbatch.backends.triton_sigmoid import TritonSigmoid
+
+    with pytest.raises(ValueError, match="TritonSigmoid: block must be a tuple"):
+        TritonSigmoid(block=block)
+    with pytest.raises(TypeError, match="fast_math must be a bool"):
+        TritonSigmoid(fast_math="no")
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint16, torch.uint32, torch.uint64])
+def test_unsigned_labels(dtype):
+    q, k = torch.randn(5, 3, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)
+    labels = torch.tensor([6, 5, 4, 3, 2])
+    want = bigbatch.infonce_loss(q, k, 2.0, labels=labels)
+    assert torch.equal(bigbatch.infonce_loss(q, k, 2.0, labels=labels.to(dtype)), want)
+    with pytest.raises(ValueError, match=r"labels must index keys in \[0, 7\)"):
+        bigbatch.infonce_loss(q, k, 2.0, labels=torch.tensor([9, 0, 0, 0, 0]).to(dtype))

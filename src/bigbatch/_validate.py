@@ -101,6 +101,8 @@ def check_labels(labels: object, b: int, n: int, device: torch.device, *, name: 
     labels = check_int_vector(
         labels, b, device, name=name, meaning="one positive key per query", what="class indices"
     )
+    if not labels.dtype.is_signed:  # uint8..uint64: torch's min/max do not take every unsigned dtype
+        labels = labels.to(torch.int64) if labels.dtype != torch.uint64 else labels.to(torch.float64).to(torch.int64)
     lo, hi = int(labels.min()), int(labels.max())
     if lo < 0 or hi >= n:
         raise ValueError(f"{name} must index keys in [0, {n}), got values in [{lo}, {hi}]")

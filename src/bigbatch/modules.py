@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Dict, Optional, Union
 
 from torch import Tensor, nn
 
 from .backends import BackendArg
+from ._validate import prepare_scalar
 from .functional import clip_loss
 
 _SIGLIP_DIST_IMPLS = (None, "bidir", "shift", "reduce", "gather")
@@ -41,7 +43,44 @@ def openclip_group(group, rank: int, world_size: int, use_horovod: bool):
     return group
 
 
-class ClipLoss(nn.Module):
+class _GroupLoss(nn.Module):
+    """A loss module holding a process group (``self.group``): deep copies share the group (a
+    ``ProcessGroup`` cannot be copied); pickling records the default group by name, so that it is
+    the unpickling process's default group (another group cannot be pickled: a clear error)."""
+
+    group = None
+
+    def __deepcopy__(self, memo):
+        if self.group is not None:
+            memo[id(self.group)] = self.group
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        return new
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        if state.get("group") is not None:
+            import torch.distributed as dist
+
+            if state["group"] is not dist.group.WORLD:
+                raise TypeError(f"{type(self).__name__} bound to a process group other than the default one cannot "
+                                "be pickled: build it again in the receiving process")
+            state["group"] = _WORLD
+        return state
+
+    def __setstate__(self, state):
+        if state.get("group") == _WORLD:
+            import torch.distributed as dist
+
+            state["group"] = dist.group.WORLD
+        super().__setstate__(state)
+
+
+_WORLD = "<default process group>"
+
+
+class ClipLoss(_GroupLoss):
     """Drop-in for ``open_clip.ClipLoss``: the same constructor arguments and
     ``forward(image_features, text_features, logit_scale, logit_bias=None, output_dict=False)``.
 
@@ -76,16 +115,18 @@ class ClipLoss(nn.Module):
     def forward(
         self, image_features: Tensor, text_features: Tensor, logit_scale, logit_bias=None, output_dict: bool = False
     ) -> Union[Tensor, Dict[str, Tensor]]:
-        """``logit_bias`` (OpenCLIP's trainer passes it when the model has one): a constant added to
-        every logit changes neither the softmax loss nor any gradient, so it only joins the graph
-        with its exact gradient, zero (DDP then sees it used, as with OpenCLIP)."""
+        """``logit_bias`` (OpenCLIP's trainer passes it when the model has one; a scalar): a constant
+        added to every logit changes neither the softmax loss nor any gradient, so it only joins the
+        graph with its exact gradient, zero (DDP then sees it used, as with OpenCLIP; a NaN bias
+        gives a NaN loss, as there). A per-logit bias would change the loss: refused."""
         loss = clip_loss(image_features, text_features, logit_scale, group=self.group, backend=self.backend)
-        if isinstance(logit_bias, Tensor) and logit_bias.requires_grad:
-            loss = loss + 0.0 * logit_bias.sum()
+        if logit_bias is not None:
+            bias = prepare_scalar("logit_bias", logit_bias, image_features)
+            loss = loss + 0.0 * bias.to(loss.dtype)
         return {"contrastive_loss": loss} if output_dict else loss
 
 
-class SigLipLoss(nn.Module):
+class SigLipLoss(_GroupLoss):
     """Drop-in for ``open_clip.SigLipLoss``:
     ``forward(image_features, text_features, logit_scale, logit_bias=None, output_dict=False)``.
 

@@ -9,6 +9,7 @@ is trusted), else a fp32-output GEMM plus an add, else up-cast operands (CPU).
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator, Optional
 
 import torch
@@ -69,16 +70,31 @@ def mm_acc(acc: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> None:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), alpha=alpha)
 
 
+_PRECISION_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def fp32_matmul(precision: Optional[str]) -> Iterator[None]:
-    """torch's fp32 matmul precision for the block: ``"ieee"`` full fp32, ``"tf32"`` TF32 (cuBLAS
-    fp32 GEMMs otherwise follow the caller's global setting); ``None`` leaves it."""
+    """cuBLAS fp32 GEMMs at ``precision`` for the block: ``"ieee"`` full fp32, ``"tf32"`` TF32 (they
+    otherwise follow the caller's global setting); ``None`` leaves it. Sets and restores the CUDA
+    matmul's own setting (``torch.backends.cuda.matmul.fp32_precision`` where torch has it, else
+    ``allow_tf32``), which mixes with either of torch's APIs; a lock keeps two threads' blocks from
+    restoring each other's values (other threads' fp32 GEMMs inside the block see it too)."""
     if precision is None:
         yield
         return
-    old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest" if precision == "ieee" else "high")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(old)
+    mm = torch.backends.cuda.matmul
+    new_api = hasattr(mm, "fp32_precision")
+    with _PRECISION_LOCK:
+        old = mm.fp32_precision if new_api else mm.allow_tf32
+        if new_api:
+            mm.fp32_precision = precision
+        else:
+            mm.allow_tf32 = precision == "tf32"
+        try:
+            yield
+        finally:
+            if new_api:
+                mm.fp32_precision = old
+            else:
+                mm.allow_tf32 = old

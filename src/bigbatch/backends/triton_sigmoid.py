@@ -150,6 +150,15 @@ def _align(side: int, total: int) -> int:
     return side // _TILE_ALIGN * _TILE_ALIGN if side >= _TILE_ALIGN else max(1, side)
 
 
+def _valid_block(block: object) -> bool:
+    if not isinstance(block, tuple) or len(block) not in (5, 6):
+        return False
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in block):
+        return False
+    pow2 = lambda v: v >= 1 and v & (v - 1) == 0  # noqa: E731
+    return all(pow2(v) and v >= 16 for v in block[:3]) and pow2(block[3]) and block[4] >= 1 and (len(block) == 5 or block[5] >= 0)
+
+
 @dataclass(frozen=True)
 class TritonSigmoid:
     """Fused sigmoid-loss tiles on CUDA (or the Triton interpreter on CPU tensors).
@@ -183,10 +192,13 @@ class TritonSigmoid:
                 raise ValueError(f"TritonSigmoid: {arg} must be a positive int or None, got {value!r}")
         if self.fp32_precision not in _PRECISIONS:
             raise ValueError(f"TritonSigmoid: fp32_precision must be one of {_PRECISIONS}, got {self.fp32_precision!r}")
-        if self.block is not None and (len(self.block) not in (5, 6) or min(self.block[:3]) < 16):
+        if self.block is not None and not _valid_block(self.block):
             raise ValueError(
-                f"TritonSigmoid: block must be (BLOCK_M, BLOCK_N, BLOCK_K>=16, warps, stages[, maxnreg]), got {self.block!r}"
+                "TritonSigmoid: block must be a tuple (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, maxnreg]) of ints, "
+                f"the three blocks powers of two >= 16, warps a power of two, stages >= 1, maxnreg >= 0; got {self.block!r}"
             )
+        if not isinstance(self.fast_math, bool):
+            raise TypeError(f"TritonSigmoid: fast_math must be a bool, got {self.fast_math!r}")
 
     def supports(self, device: torch.device) -> bool:
         return triton_runs_on(device)

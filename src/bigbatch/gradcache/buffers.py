@@ -4,12 +4,14 @@ forwards that pass 1 already ran, so it restores the buffers it changed. A forwa
 *reads* what it updates (``nn.utils.spectral_norm``'s power-iteration vectors, a running scale)
 must see in its re-run the values its first run saw: :class:`BufferStates` keeps them per chunk.
 
-Parameters that do not require grad are state too when a model keeps few of them: EMA codebooks
-and cluster sizes are often stored as ``nn.Parameter(..., requires_grad=False)`` and updated in
-forward through ``.data``. Up to ``STATE_PARAM_BYTES`` (4 MiB) of them in all, they are recorded
-and restored like buffers (a copy per chunk, held until pass 2); more (a frozen embedding or
-tower, frozen layers) are taken for frozen weights that a forward does not write, and are not
-copied (store larger state as a buffer).
+Parameters that do not require grad may be state too: EMA codebooks and cluster sizes are often
+stored as ``nn.Parameter(..., requires_grad=False)`` and updated in forward through ``.data``.
+Up to ``WATCH_PARAM_BYTES`` (64 MiB) of them in all are watched: the first chunk's forward is
+compared with a snapshot taken before it (one host sync per step), and those it changed are
+recorded and restored like buffers from then on (a copy per chunk, held until pass 2); frozen
+weights it did not change are not copied again. More than that (a frozen tower) are taken for
+weights that a forward does not write. A frozen parameter first written by a later chunk than
+the first is not seen (store such state as a buffer).
 
 With BatchNorm in training mode every chunk is normalised with its own statistics, in both
 passes alike, so the gradients are exactly those of that chunked model; they are not those of
@@ -32,9 +34,10 @@ from .wrappers import is_ddp
 # change made through ``.data`` (no autograd version bump) is then caught too. Above it (large
 # constant tables), only the buffers seen changing are copied per chunk.
 RECORD_ALL_BYTES = 16 * 2**20
-# Up to this many bytes of parameters that do not require grad, in all, are state (copied per
-# chunk like buffers: an EMA codebook); more are frozen weights (a frozen embedding, a tower).
-STATE_PARAM_BYTES = 4 * 2**20
+# Up to this many bytes of parameters that do not require grad, in all, are watched for writes
+# by the first chunk's forward (those written are then recorded per chunk like buffers: an EMA
+# codebook); more are taken for frozen weights (a frozen tower) and never copied.
+WATCH_PARAM_BYTES = 64 * 2**20
 
 Slot = Tuple[nn.Module, str, str]  # (module, "_buffers" or "_parameters", name)
 
@@ -66,14 +69,31 @@ def _buffer_slots(modules: Iterable[nn.Module]) -> List[Slot]:
 
 
 def _state_slots(modules: Iterable[nn.Module]) -> List[Slot]:
-    """Every buffer, and the parameters that do not require grad if they total at most
-    ``STATE_PARAM_BYTES`` (see the module docstring)."""
-    frozen = [(mod, "_parameters", name) for mod in _submodules(modules)
-              for name, p in list(mod._parameters.items()) if p is not None and not p.requires_grad]
-    distinct = {id(_get(slot)): _get(slot) for slot in frozen}  # a shared parameter counts once
-    if sum(map(_nbytes, distinct.values())) > STATE_PARAM_BYTES:
-        frozen = []
-    return _buffer_slots(modules) + frozen
+    """Every buffer, and one slot per distinct parameter that does not require grad if they total
+    at most ``WATCH_PARAM_BYTES`` (see the module docstring)."""
+    frozen: Dict[int, Slot] = {}  # a parameter shared by several modules: one slot
+    for mod in _submodules(modules):
+        for name, p in list(mod._parameters.items()):
+            if p is not None and not p.requires_grad:
+                frozen.setdefault(id(p), (mod, "_parameters", name))
+    if sum(_nbytes(_get(slot)) for slot in frozen.values()) > WATCH_PARAM_BYTES:
+        frozen = {}
+    return _buffer_slots(modules) + list(frozen.values())
+
+
+def _changed(pairs: Sequence[Tuple[Any, Any]]) -> List[bool]:
+    """For each (tensor now, snapshot before): whether it differs (values, or no longer a tensor
+    of that shape). One host sync per device for all of them."""
+    out: List[bool] = [True] * len(pairs)
+    per_device: Dict[Any, List[Tuple[int, Tensor]]] = {}
+    for j, (now, before) in enumerate(pairs):
+        if isinstance(now, Tensor) and isinstance(before, Tensor) and not is_lazy(now) and now.shape == before.shape \
+                and now.dtype == before.dtype and now.device == before.device:
+            per_device.setdefault(now.device, []).append((j, (now.detach() != before).any()))
+    for flags in per_device.values():
+        for (j, _), v in zip(flags, torch.stack([f for _, f in flags]).tolist()):
+            out[j] = bool(v)
+    return out
 
 
 def _get(slot: Slot) -> Any:
@@ -143,8 +163,10 @@ class BufferStates:
         self.slots = _state_slots(self.modules)
         self.originals = [_get(slot) for slot in self.slots]
         self.record_all = sum(_nbytes(t) for t, s in zip(self.originals, self.slots) if s[1] == "_buffers") <= RECORD_ALL_BYTES
-        # state parameters (few bytes by construction) are recorded by every chunk
-        self.always = [i for i, s in enumerate(self.slots) if s[1] == "_parameters"]
+        # frozen parameters: watched through the first chunk; those it changed are recorded by every chunk
+        self.params = [i for i, s in enumerate(self.slots) if s[1] == "_parameters"]
+        self.always: List[int] = []
+        self._watched = not self.params
         # the values before the first chunk, taken by its first in-forward record (after DDP's
         # broadcast: what that forward read), or at the end of its block if none was taken
         self.initial: Optional[List[Any]] = None
@@ -168,9 +190,9 @@ class BufferStates:
 
     def _recorded(self) -> Iterable[int]:
         """The slots each record holds."""
-        if self.record_all:
-            return range(len(self.slots))
-        return list(self.changing) + [i for i in self.always if i not in self.changing]
+        params = set(self.params)
+        buffers = range(len(self.slots)) if self.record_all else self.changing
+        return [i for i in buffers if i not in params] + self.always
 
     def after(self, record: Optional[Dict[int, Any]] = None) -> None:
         """Close the forward whose record is ``record`` (the first one also fixes ``initial``)."""
@@ -179,6 +201,10 @@ class BufferStates:
         for i, ((now, v_now), (was, v_was)) in enumerate(zip(self._mark(), self._marks)):
             if (now is not was or v_now != v_was) and i not in self.changing:
                 self.changing[i] = None  # its value before this and every earlier chunk: ``initial``
+        if not self._watched:  # the first chunk's forward: which frozen parameters did it write?
+            self._watched = True
+            written = _changed([(_get(self.slots[i]), self.initial[i]) for i in self.params])
+            self.always = [i for i, w in zip(self.params, written) if w]
         known = {(id(m), store, n) for m, store, n in self.slots}
         for slot in _buffer_slots(self.modules):  # registered by this forward: absent before it
             if (id(slot[0]), slot[1], slot[2]) not in known:

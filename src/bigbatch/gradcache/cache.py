@@ -265,7 +265,7 @@ class GradCache:
             raise ValueError("GradCache needs at least one input")
         if torch.is_inference_mode_enabled():
             raise RuntimeError("GradCache runs a backward: it cannot run under torch.inference_mode()")
-        check_not_parametrize_cached("GradCache")
+        check_not_parametrize_cached("GradCache", self.models)
         ddp_sync = self.ddp_sync if no_sync_except_last is None else ("last_chunk" if no_sync_except_last else "every_chunk")
         models = self._models_for(len(inputs))
         # A model is re-run if a parameter or an input tensor of it requires grad; a frozen one
@@ -310,7 +310,11 @@ class GradCache:
                 raise ValueError("loss_fn's result has no grad_fn: it does not depend on the representations of "
                                  "a trainable encoder, and the loss has no parameter that requires grad")
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-            backprop(units, [leaf.grad for leaf in leaves], opts)
+            sent, graphs = backprop(units, [leaf.grad for leaf in leaves], opts)
+            if sent and not graphs:  # as a plain step's backward would, rather than train nothing
+                raise ValueError(
+                    "no chunk of a trained encoder built a graph: their forwards used no tensor that requires "
+                    "grad (an encoder run under torch.no_grad(), or outputs detached inside the model)")
             backward_into_originals(boundaries)
         finally:
             for u in units:  # never leave a kept graph alive after an error

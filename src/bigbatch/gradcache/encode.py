@@ -14,6 +14,7 @@ forward + backward; work: one extra forward per chunk.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from typing import Any, Callable, List, Optional
 
@@ -61,7 +62,11 @@ class _CachedEncode(torch.autograd.Function):
         if targets is not None:
             opts = replace(opts, grad_targets=targets + ctx.boundaries)
         with torch.enable_grad():
-            backprop(units, [grad], opts)
+            sent, graphs = backprop(units, [grad], opts)
+        if sent and not graphs:  # as the plain forward's output would have had no grad_fn
+            warnings.warn("cached_encode: no chunk of the encoder built a graph (its forward used no tensor that "
+                          "requires grad: run under torch.no_grad(), or only frozen parts of a shared module); "
+                          "it sent no gradient", stacklevel=2)
         in_grads = []
         for b in ctx.boundaries:
             in_grads.append(b.grad)
@@ -135,7 +140,7 @@ def cached_encode(
     trained = any(p.requires_grad for p in model.parameters())
     needs_grad = torch.is_grad_enabled() and (trained or inputs_require_grad(inputs))
     if needs_grad:
-        check_not_parametrize_cached("cached_encode")
+        check_not_parametrize_cached("cached_encode", [model])
 
     # inputs that require grad: chunks are cut from boundaries whose gradients the node returns
     bounded, pairs = with_boundaries(inputs, leaves_too=True) if needs_grad else (inputs, [])

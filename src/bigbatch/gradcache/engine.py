@@ -159,7 +159,8 @@ class Written:
     source, so writes into its device copy are harmless and not seen here.)"""
 
     def __init__(self, chunk: Any) -> None:
-        self.tensors = tensor_leaves(chunk)
+        # inference tensors have no version counter (and cannot be written outside inference mode)
+        self.tensors = [t for t in tensor_leaves(chunk) if not t.is_inference()]
         self.versions = [t._version for t in self.tensors]
 
     def check(self, rerun: bool) -> None:
@@ -244,18 +245,23 @@ def grad_slices(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: 
     return slices
 
 
-def backprop_kept(units: Sequence[Unit], slices: Dict[int, Tensor], opts: EngineOptions) -> None:
+def backprop_kept(units: Sequence[Unit], slices: Dict[int, Tensor], opts: EngineOptions) -> Tuple[int, int]:
     """Back-propagate (and free) every kept graph. Runs before any chunk is re-run, so kept
-    activations never coexist with a re-run chunk's forward + backward."""
+    activations never coexist with a re-run chunk's forward + backward. Returns (chunks with a
+    gradient, of those with a graph)."""
+    sent = graphs = 0
     for k, u in enumerate(units):
         if not u.keep:
             continue
         rep, u.kept_rep = u.kept_rep, None
         if k in slices:
+            sent += 1
             with sync_context(u.model, sync=False)(), GradAccumulation(u.model).chunk():
                 if rep.requires_grad:
+                    graphs += 1
                     torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype), inputs=opts.grad_targets)
         del rep
+    return sent, graphs
 
 
 def rerun_groups(units: Sequence[Unit], slices: Dict[int, Tensor]) -> List[List[int]]:
@@ -267,19 +273,25 @@ def rerun_groups(units: Sequence[Unit], slices: Dict[int, Tensor]) -> List[List[
     return list(order.values())
 
 
-def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: EngineOptions) -> None:
-    """Pass 2. ``grads[i]`` is d(loss)/d(representation of input i), (B_i, ...), or ``None`` (no gradient)."""
+def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: EngineOptions) -> Tuple[int, int]:
+    """Pass 2. ``grads[i]`` is d(loss)/d(representation of input i), (B_i, ...), or ``None`` (no
+    gradient). Returns (chunks that received a gradient, of those whose forward built a graph: a
+    chunk without one used no trainable tensor and sends nothing)."""
     slices = grad_slices(units, grads, opts)
-    backprop_kept(units, slices, opts)
+    sent, graphs = backprop_kept(units, slices, opts)
     # Buffers: each re-run starts from what its pass-1 forward saw (BufferStates); afterwards all
     # are put back as pass 1 left them (BatchNorm statistics are not updated a second time).
     with buffers_restored(_distinct([u.model for u in units])):
         for rerun in rerun_groups(units, slices):
-            _rerun_model(units, rerun, slices, opts)
+            graphs += _rerun_model(units, rerun, slices, opts)
+            sent += len(rerun)
+    return sent, graphs
 
 
-def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tensor], opts: EngineOptions) -> None:
-    """Re-run and back-propagate the chunks ``rerun`` (indices into ``units``) of one model."""
+def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tensor], opts: EngineOptions) -> int:
+    """Re-run and back-propagate the chunks ``rerun`` (indices into ``units``) of one model;
+    returns how many built a graph."""
+    graphs = 0
     model = units[rerun[0]].model
     device = model_device(model)
     amp = _autocast(device, opts.autocast_dtype, opts.inherit_autocast)
@@ -296,6 +308,8 @@ def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tens
                 with restoring(states, record, [u.model]), torch.enable_grad(), u.rng.replay():
                     rep = _rep(opts, u.model, chunk, u.rows)
                 if rep.requires_grad:
+                    graphs += 1
                     with no_amp(), acc.chunk():
                         torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype), inputs=opts.grad_targets)
             del rep
+    return graphs

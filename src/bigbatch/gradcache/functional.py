@@ -86,12 +86,12 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
 
     @functools.wraps(func)
     def cache_func(*args: Any, **kwargs: Any):
-        check_not_parametrize_cached(f"cached({func.__name__})")
+        modules = [a for a in list(args) + list(kwargs.values()) if isinstance(a, nn.Module)]
+        check_not_parametrize_cached(f"cached({func.__name__})", modules)
         rng = RngState(_cuda_devices(args, kwargs))
         amp = _autocast_state()
         # modules passed to func: the re-run starts from the buffers this call saw, and leaves them
         # as this call left them (BatchNorm statistics updated once)
-        modules = [a for a in list(args) + list(kwargs.values()) if isinstance(a, nn.Module)]
         states = BufferStates(modules)
         # grad mode off, as the public package; on (graph dropped) where a module's forward would
         # take another path without it (engine.grad_mode_dependent), so the re-run matches
