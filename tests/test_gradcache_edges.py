@@ -539,16 +539,28 @@ class _NoGradEncoder(nn.Module):
             return self.lin(x)
 
 
-def test_an_encoder_that_builds_no_graph_is_still_an_error():
-    """A plain step's backward would fail (no grad_fn): GradCache raises rather than train nothing;
-    cached_encode, whose plain counterpart would just have no grad_fn, warns."""
+def test_an_encoder_that_builds_no_graph_is_named():
+    """No chunk built a graph: a plain step would train only the loss's own parameters (or fail
+    without any); both APIs say so instead of training nothing in silence."""
     x = torch.randn(6, 6, dtype=F64)
-    with pytest.raises(ValueError, match="no chunk of a trained encoder built a graph"):
+    with pytest.warns(UserWarning, match="no chunk of a trained encoder built a graph"):
         GradCache(_NoGradEncoder(), 2, clip)(x, x)
     m = _NoGradEncoder()
     with pytest.warns(UserWarning, match="no chunk of the encoder built a graph"):
         clip(cached_encode(m, x, 2), cached_encode(m, x, 2)).backward()
     assert m.lin.weight.grad is None
+
+
+def test_parametrize_cached_with_a_closure_over_the_model_is_refused():
+    """The functional form sees no module when the function closes over its model: refused."""
+    from torch.nn.utils import parametrize
+
+    from bigbatch.gradcache import cached
+
+    m = nn.Linear(6, 8).to(F64)
+    parametrize.register_parametrization(m, "weight", nn.Identity())
+    with parametrize.cached(), pytest.raises(RuntimeError, match="parametrize.cached"):
+        cached(lambda v: m(v))(torch.randn(4, 6, dtype=F64))
 
 
 def test_parametrize_cached_around_a_parametrized_loss_head_is_fine():

@@ -3,6 +3,8 @@ as the functional API with the matching group, in one process and over a real 2-
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -79,7 +81,7 @@ def _two_ranks(rank, world):
     ql = q[sl].clone().requires_grad_()
     original = bigbatch.ClipLoss(True, True, rank=rank, world_size=world)
     for how, clone in (("deepcopy", copy.deepcopy(original)), ("pickle", pickle.loads(pickle.dumps(original)))):
-        out[how] = (clone.group is dist.group.WORLD, torch.equal(clone(ql, k[sl], 3.0), out["openclip_args"][0]))
+        out[how] = (clone._group() is dist.group.WORLD, torch.equal(clone(ql, k[sl], 3.0), out["openclip_args"][0]))
     return out
 
 
@@ -113,3 +115,20 @@ def test_clip_forward_takes_openclip_logit_bias():
     with pytest.raises(ValueError, match="logit_bias must be a scalar"):
         bigbatch.ClipLoss()(q, k, 3.0, torch.zeros(7))
     assert torch.isnan(bigbatch.ClipLoss()(q, k, 3.0, torch.tensor(float("nan"))))  # NaN in, NaN out, as there
+    assert torch.isnan(bigbatch.ClipLoss()(q, k, 3.0, float("nan")))
+    for bias in (2, 1.5, torch.tensor([[0.5]]), torch.tensor(3)):  # any one-number bias: the loss without it
+        assert torch.allclose(bigbatch.ClipLoss()(q, k, 3.0, bias), ref, rtol=1e-12)
+
+
+def _pickled_for_the_default_group(rank, world):
+    return pickle.dumps(bigbatch.ClipLoss(True, True, rank=rank, world_size=world))
+
+
+def test_a_loss_pickled_for_the_default_group_needs_one_where_it_is_used():
+    """Unpickled in a process without torch.distributed, it raises instead of silently computing
+    a one-process loss."""
+    blob = run_gloo(_pickled_for_the_default_group, 2)[1]
+    loss = pickle.loads(blob)
+    q = _feats(4, 5, 1)
+    with pytest.raises(ValueError, match="pickled for the default process group"):
+        loss(q, q, 3.0)

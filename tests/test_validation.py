@@ -123,7 +123,7 @@ def test_siglip_bad_inputs(bad):
 
 
 @pytest.mark.parametrize("block", [(24, 32, 32, 4, 1), (32.0, 32, 32, 4, 1), ("a", 32, 32, 4, 1), 5,
-                                   [32, 32, 32, 4, 1], (32, 32, 32, 3, 1), (32, 32, 32, 4, 0)])
+                                   [24, 32, 32, 4, 1], (32, 32, 32, 3, 1), (32, 32, 32, 4, 0)])
 def test_triton_sigmoid_block_is_checked_at_construction(block):
     pytest.importorskip("triton")
     from bigbatch.backends.triton_sigmoid import TritonSigmoid
@@ -142,3 +142,10 @@ def test_unsigned_labels(dtype):
     assert torch.equal(bigbatch.infonce_loss(q, k, 2.0, labels=labels.to(dtype)), want)
     with pytest.raises(ValueError, match=r"labels must index keys in \[0, 7\)"):
         bigbatch.infonce_loss(q, k, 2.0, labels=torch.tensor([9, 0, 0, 0, 0]).to(dtype))
+
+
+def test_triton_sigmoid_block_given_as_a_list():
+    pytest.importorskip("triton")
+    from bigbatch.backends.triton_sigmoid import TritonSigmoid
+
+    assert TritonSigmoid(block=[32, 32, 32, 4, 1]).block == (32, 32, 32, 4, 1)

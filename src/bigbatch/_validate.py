@@ -96,13 +96,17 @@ def check_int_vector(x: object, b: int, device: torch.device, *, name: str, mean
     return x
 
 
+def as_signed(labels: Tensor) -> Tensor:
+    """Integer labels in a dtype torch's reductions take: uint16/32/64 (no min/max kernels) as int64."""
+    return labels if labels.dtype.is_signed or labels.dtype == torch.uint8 else labels.to(torch.int64)
+
+
 def check_labels(labels: object, b: int, n: int, device: torch.device, *, name: str = "labels") -> Tensor:
     """Integer tensor of shape (b,) with values in [0, n). Reading the range costs one sync."""
     labels = check_int_vector(
         labels, b, device, name=name, meaning="one positive key per query", what="class indices"
     )
-    if not labels.dtype.is_signed:  # uint8..uint64: torch's min/max do not take every unsigned dtype
-        labels = labels.to(torch.int64) if labels.dtype != torch.uint64 else labels.to(torch.float64).to(torch.int64)
+    labels = as_signed(labels)
     lo, hi = int(labels.min()), int(labels.max())
     if lo < 0 or hi >= n:
         raise ValueError(f"{name} must index keys in [0, {n}), got values in [{lo}, {hi}]")

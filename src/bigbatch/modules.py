@@ -5,10 +5,10 @@ from __future__ import annotations
 import copy
 from typing import Dict, Optional, Union
 
+import torch
 from torch import Tensor, nn
 
 from .backends import BackendArg
-from ._validate import prepare_scalar
 from .functional import clip_loss
 
 _SIGLIP_DIST_IMPLS = (None, "bidir", "shift", "reduce", "gather")
@@ -60,7 +60,7 @@ class _GroupLoss(nn.Module):
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        if state.get("group") is not None:
+        if state.get("group") is not None and not isinstance(state["group"], str):  # (the marker already)
             import torch.distributed as dist
 
             if state["group"] is not dist.group.WORLD:
@@ -69,15 +69,34 @@ class _GroupLoss(nn.Module):
             state["group"] = _WORLD
         return state
 
-    def __setstate__(self, state):
-        if state.get("group") == _WORLD:
+    def _group(self):
+        """The process group of a call: an unpickled module's default group is resolved here, in
+        the process that uses it (an error if that process has none, as the constructor would)."""
+        if isinstance(self.group, str) and self.group == _WORLD:
             import torch.distributed as dist
 
-            state["group"] = dist.group.WORLD
-        super().__setstate__(state)
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError(f"this {type(self).__name__} was pickled for the default process group (world_size="
+                                 f"{self.world_size}); initialise torch.distributed in this process first")
+            return dist.group.WORLD
+        return self.group
 
 
 _WORLD = "<default process group>"
+
+
+def _scalar_bias(bias):
+    """OpenCLIP's ``logit_bias`` for the softmax loss: one number (a tensor of one element on any
+    device and of any dtype, or anything ``float()`` takes), returned without a host sync; a bias
+    of several elements (per logit) would change the loss and is refused."""
+    if isinstance(bias, Tensor):
+        if bias.numel() != 1:
+            raise ValueError(f"logit_bias must be a scalar (one element), got shape {tuple(bias.shape)}")
+        return bias.reshape(()).to(torch.float32) if not bias.is_floating_point() else bias.reshape(())
+    try:
+        return float(bias)
+    except (TypeError, ValueError):
+        raise TypeError(f"logit_bias must be a number or a one-element tensor, got {type(bias).__name__}") from None
 
 
 class ClipLoss(_GroupLoss):
@@ -119,10 +138,10 @@ class ClipLoss(_GroupLoss):
         added to every logit changes neither the softmax loss nor any gradient, so it only joins the
         graph with its exact gradient, zero (DDP then sees it used, as with OpenCLIP; a NaN bias
         gives a NaN loss, as there). A per-logit bias would change the loss: refused."""
-        loss = clip_loss(image_features, text_features, logit_scale, group=self.group, backend=self.backend)
+        loss = clip_loss(image_features, text_features, logit_scale, group=self._group(), backend=self.backend)
         if logit_bias is not None:
-            bias = prepare_scalar("logit_bias", logit_bias, image_features)
-            loss = loss + 0.0 * bias.to(loss.dtype)
+            bias = _scalar_bias(logit_bias)
+            loss = loss + (0.0 * bias.to(loss.dtype) if isinstance(bias, Tensor) else 0.0 * bias)
         return {"contrastive_loss": loss} if output_dict else loss
 
 
@@ -171,6 +190,6 @@ class SigLipLoss(_GroupLoss):
 
         bias = 0.0 if logit_bias is None else logit_bias
         loss = siglip_loss(
-            image_features, text_features, logit_scale, bias, labels=labels, group=self.group, backend=self.backend
+            image_features, text_features, logit_scale, bias, labels=labels, group=self._group(), backend=self.backend
         )
         return {"contrastive_loss": loss} if output_dict else loss

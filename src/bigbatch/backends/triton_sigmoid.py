@@ -186,6 +186,8 @@ class TritonSigmoid:
     workspace_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.block, list):  # as a list before: kept working, stored as a tuple (hashable)
+            object.__setattr__(self, "block", tuple(self.block))
         for arg in ("tile_rows", "tile_cols", "workspace_bytes"):
             value = getattr(self, arg)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

@@ -6,12 +6,12 @@ must see in its re-run the values its first run saw: :class:`BufferStates` keeps
 
 Parameters that do not require grad may be state too: EMA codebooks and cluster sizes are often
 stored as ``nn.Parameter(..., requires_grad=False)`` and updated in forward through ``.data``.
-Up to ``WATCH_PARAM_BYTES`` (64 MiB) of them in all are watched: the first chunk's forward is
-compared with a snapshot taken before it (one host sync per step), and those it changed are
-recorded and restored like buffers from then on (a copy per chunk, held until pass 2); frozen
-weights it did not change are not copied again. More than that (a frozen tower) are taken for
-weights that a forward does not write. A frozen parameter first written by a later chunk than
-the first is not seen (store such state as a buffer).
+Up to ``WATCH_PARAM_BYTES`` (64 MiB) of them in all are watched: after each model's first chunk
+they are compared with a snapshot taken before the step's first forward (one host sync per
+device), and those it changed are recorded and restored like buffers from then on (a copy per
+chunk, held until pass 2); the snapshots of the others are dropped. More than that (a frozen
+tower) are taken for weights that a forward does not write. A frozen parameter first written by
+a later chunk than its model's first is not seen (store such state as a buffer).
 
 With BatchNorm in training mode every chunk is normalised with its own statistics, in both
 passes alike, so the gradients are exactly those of that chunked model; they are not those of
@@ -69,16 +69,15 @@ def _buffer_slots(modules: Iterable[nn.Module]) -> List[Slot]:
 
 
 def _state_slots(modules: Iterable[nn.Module]) -> List[Slot]:
-    """Every buffer, and one slot per distinct parameter that does not require grad if they total
-    at most ``WATCH_PARAM_BYTES`` (see the module docstring)."""
-    frozen: Dict[int, Slot] = {}  # a parameter shared by several modules: one slot
-    for mod in _submodules(modules):
-        for name, p in list(mod._parameters.items()):
-            if p is not None and not p.requires_grad:
-                frozen.setdefault(id(p), (mod, "_parameters", name))
-    if sum(_nbytes(_get(slot)) for slot in frozen.values()) > WATCH_PARAM_BYTES:
-        frozen = {}
-    return _buffer_slots(modules) + list(frozen.values())
+    """Every buffer, and every parameter that does not require grad if they total at most
+    ``WATCH_PARAM_BYTES`` (see the module docstring; a parameter shared by several modules counts
+    once, and has a slot in each, so a re-assignment through any of them is seen)."""
+    frozen = [(mod, "_parameters", name) for mod in _submodules(modules)
+              for name, p in list(mod._parameters.items()) if p is not None and not p.requires_grad]
+    distinct = {id(_get(slot)): _get(slot) for slot in frozen}
+    if sum(map(_nbytes, distinct.values())) > WATCH_PARAM_BYTES:
+        frozen = []
+    return _buffer_slots(modules) + frozen
 
 
 def _changed(pairs: Sequence[Tuple[Any, Any]]) -> List[bool]:
@@ -163,10 +162,13 @@ class BufferStates:
         self.slots = _state_slots(self.modules)
         self.originals = [_get(slot) for slot in self.slots]
         self.record_all = sum(_nbytes(t) for t, s in zip(self.originals, self.slots) if s[1] == "_buffers") <= RECORD_ALL_BYTES
-        # frozen parameters: watched through the first chunk; those it changed are recorded by every chunk
+        # frozen parameters: watched through each model's first chunk; those it changed are recorded
+        # by every later chunk, the snapshots of the others dropped
         self.params = [i for i, s in enumerate(self.slots) if s[1] == "_parameters"]
         self.always: List[int] = []
-        self._watched = not self.params
+        self._checked: set = set()
+        self._watched_models: set = set()
+        self._first_record: Optional[Dict[int, Any]] = None  # may share the snapshots with ``initial``
         # the values before the first chunk, taken by its first in-forward record (after DDP's
         # broadcast: what that forward read), or at the end of its block if none was taken
         self.initial: Optional[List[Any]] = None
@@ -194,17 +196,16 @@ class BufferStates:
         buffers = range(len(self.slots)) if self.record_all else self.changing
         return [i for i in buffers if i not in params] + self.always
 
-    def after(self, record: Optional[Dict[int, Any]] = None) -> None:
-        """Close the forward whose record is ``record`` (the first one also fixes ``initial``)."""
+    def after(self, record: Optional[Dict[int, Any]] = None, models: Sequence[nn.Module] = ()) -> None:
+        """Close the forward of ``models`` whose record is ``record`` (the first one also fixes
+        ``initial``)."""
         if self.initial is None:
             self.initial = [record.get(i, ABSENT) if record else ABSENT for i in range(len(self.slots))]
+            self._first_record = record
         for i, ((now, v_now), (was, v_was)) in enumerate(zip(self._mark(), self._marks)):
             if (now is not was or v_now != v_was) and i not in self.changing:
                 self.changing[i] = None  # its value before this and every earlier chunk: ``initial``
-        if not self._watched:  # the first chunk's forward: which frozen parameters did it write?
-            self._watched = True
-            written = _changed([(_get(self.slots[i]), self.initial[i]) for i in self.params])
-            self.always = [i for i, w in zip(self.params, written) if w]
+        self._watch(models)
         known = {(id(m), store, n) for m, store, n in self.slots}
         for slot in _buffer_slots(self.modules):  # registered by this forward: absent before it
             if (id(slot[0]), slot[1], slot[2]) not in known:
@@ -213,6 +214,24 @@ class BufferStates:
                 self.initial.append(ABSENT)
                 self.changing[len(self.slots) - 1] = None
         self._marks = []
+
+    def _watch(self, models: Sequence[nn.Module]) -> None:
+        """After a model's first chunk: which of its frozen parameters did the forward write (one
+        host sync per device)? Those are recorded from now on; the others' snapshots are dropped."""
+        fresh = [m for m in models if id(m) not in self._watched_models] if self.params else []
+        if not fresh:
+            return
+        self._watched_models.update(id(m) for m in fresh)
+        mine = {id(sub) for m in fresh for sub in (m.module if is_ddp(m) else m).modules()}
+        check = [i for i in self.params if i not in self._checked and id(self.slots[i][0]) in mine]
+        self._checked.update(check)
+        for i, written in zip(check, _changed([(_get(self.slots[i]), self.initial[i]) for i in check])):
+            if written:
+                self.always.append(i)
+            else:
+                self.initial[i] = LAZY
+                if self._first_record is not None:
+                    self._first_record.pop(i, None)
 
     def restore(self, record: Dict[int, Any]) -> None:
         """Put the buffers back to their values before the pass-1 forward of ``record``'s chunk."""
@@ -252,7 +271,7 @@ def recording(states: BufferStates, models: Sequence[nn.Module]) -> Iterator[Dic
         try:
             yield box
         finally:
-            states.after(box["record"])
+            states.after(box["record"], models)
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ gradients per input, plus what the loss needs. Work: one extra forward per re-ru
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
@@ -311,10 +312,11 @@ class GradCache:
                                  "a trainable encoder, and the loss has no parameter that requires grad")
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             sent, graphs = backprop(units, [leaf.grad for leaf in leaves], opts)
-            if sent and not graphs:  # as a plain step's backward would, rather than train nothing
-                raise ValueError(
-                    "no chunk of a trained encoder built a graph: their forwards used no tensor that requires "
-                    "grad (an encoder run under torch.no_grad(), or outputs detached inside the model)")
+            if sent and not graphs:  # a plain step would train the loss's own parameters only, or fail
+                warnings.warn(
+                    "GradCache: no chunk of a trained encoder built a graph: their forwards used no tensor that "
+                    "requires grad (an encoder run under torch.no_grad(), or outputs detached inside the model); "
+                    "the encoders got no gradient", stacklevel=2)
             backward_into_originals(boundaries)
         finally:
             for u in units:  # never leave a kept graph alive after an error

@@ -31,11 +31,12 @@ def check_not_parametrize_cached(what: str, models: Sequence[nn.Module]) -> None
     """Inside ``torch.nn.utils.parametrize.cached()`` a parametrized weight is computed once and
     reused: pass 1 (without a graph) would fill the cache with a weight that has no graph, and every
     re-run would reuse it, so the parametrization's own parameters would get no gradient. Refused
-    when one of ``models`` is parametrized (a parametrized loss head outside them is fine)."""
+    when one of ``models`` is parametrized (a parametrized loss head outside them is fine), or when
+    no model is known (a function that closes over its model)."""
     from torch.nn.utils import parametrize
 
-    if getattr(parametrize, "_cache_enabled", 0) and any(
-            parametrize.is_parametrized(m) for model in models for m in model.modules()):
+    if getattr(parametrize, "_cache_enabled", 0) and (not models or any(  # no module seen: it may close over one
+            parametrize.is_parametrized(m) for model in models for m in model.modules())):
         raise RuntimeError(f"{what} cannot run inside torch.nn.utils.parametrize.cached(): the weights cached "
                            "by its first, graph-free forward would give the parametrizations no gradient; call "
                            "it outside the cached() block")
