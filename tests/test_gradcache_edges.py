@@ -543,8 +543,9 @@ def test_an_encoder_that_builds_no_graph_is_named():
     """No chunk built a graph: a plain step would train only the loss's own parameters (or fail
     without any); both APIs say so instead of training nothing in silence."""
     x = torch.randn(6, 6, dtype=F64)
-    with pytest.warns(UserWarning, match="no chunk of a trained encoder built a graph"):
+    with pytest.warns(UserWarning, match="no chunk of a trained encoder built a graph") as seen:
         GradCache(_NoGradEncoder(), 2, clip)(x, x)
+    assert seen[0].filename == __file__  # attributed to the caller's line, not to the library
     m = _NoGradEncoder()
     with pytest.warns(UserWarning, match="no chunk of the encoder built a graph"):
         clip(cached_encode(m, x, 2), cached_encode(m, x, 2)).backward()

@@ -118,6 +118,8 @@ def test_clip_forward_takes_openclip_logit_bias():
     assert torch.isnan(bigbatch.ClipLoss()(q, k, 3.0, float("nan")))
     for bias in (2, 1.5, torch.tensor([[0.5]]), torch.tensor(3)):  # any one-number bias: the loss without it
         assert torch.allclose(bigbatch.ClipLoss()(q, k, 3.0, bias), ref, rtol=1e-12)
+    with pytest.raises(ValueError, match="logit_bias must be on the features' device"):
+        bigbatch.ClipLoss()(q, k, 3.0, torch.tensor(1.0, device="meta"))
 
 
 def _pickled_for_the_default_group(rank, world):

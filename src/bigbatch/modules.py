@@ -141,6 +141,9 @@ class ClipLoss(_GroupLoss):
         loss = clip_loss(image_features, text_features, logit_scale, group=self._group(), backend=self.backend)
         if logit_bias is not None:
             bias = _scalar_bias(logit_bias)
+            if isinstance(bias, Tensor) and bias.device != loss.device and bias.device.type != "cpu":
+                raise ValueError(f"logit_bias must be on the features' device {loss.device} (or a CPU scalar), "
+                                 f"got {bias.device}")
             loss = loss + (0.0 * bias.to(loss.dtype) if isinstance(bias, Tensor) else 0.0 * bias)
         return {"contrastive_loss": loss} if output_dict else loss
 

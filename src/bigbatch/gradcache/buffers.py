@@ -162,11 +162,19 @@ class BufferStates:
         self.slots = _state_slots(self.modules)
         self.originals = [_get(slot) for slot in self.slots]
         self.record_all = sum(_nbytes(t) for t, s in zip(self.originals, self.slots) if s[1] == "_buffers") <= RECORD_ALL_BYTES
-        # frozen parameters: watched through each model's first chunk; those it changed are recorded
-        # by every later chunk, the snapshots of the others dropped
+        # frozen parameters, grouped by tensor (a parameter tied between modules has a slot in each):
+        # a group is compared after the first chunk of each model owning it, until one shows it
+        # written (then all its slots are recorded by every later chunk) or all of them have run
+        # without writing it (then its snapshots are dropped)
         self.params = [i for i, s in enumerate(self.slots) if s[1] == "_parameters"]
         self.always: List[int] = []
-        self._checked: set = set()
+        groups: Dict[int, List[int]] = {}
+        for i in self.params:
+            groups.setdefault(id(self.originals[i]), []).append(i)
+        self._groups = list(groups.values())
+        owners = [{id(sub) for sub in (m.module if is_ddp(m) else m).modules()} for m in self.modules]
+        self._pending = [{id(m) for m, subs in zip(self.modules, owners) if any(id(self.slots[i][0]) in subs for i in g)}
+                         for g in self._groups]  # per group: the models still to run their first chunk
         self._watched_models: set = set()
         self._first_record: Optional[Dict[int, Any]] = None  # may share the snapshots with ``initial``
         # the values before the first chunk, taken by its first in-forward record (after DDP's
@@ -216,22 +224,29 @@ class BufferStates:
         self._marks = []
 
     def _watch(self, models: Sequence[nn.Module]) -> None:
-        """After a model's first chunk: which of its frozen parameters did the forward write (one
-        host sync per device)? Those are recorded from now on; the others' snapshots are dropped."""
-        fresh = [m for m in models if id(m) not in self._watched_models] if self.params else []
+        """After a model's first chunk: which frozen parameters did its forward write (one host
+        sync per device)? Their slots are recorded from now on; a group that every owning model has
+        run without writing has its snapshots dropped."""
+        fresh = {id(m) for m in models if id(m) not in self._watched_models} if self.params else set()
         if not fresh:
             return
-        self._watched_models.update(id(m) for m in fresh)
-        mine = {id(sub) for m in fresh for sub in (m.module if is_ddp(m) else m).modules()}
-        check = [i for i in self.params if i not in self._checked and id(self.slots[i][0]) in mine]
-        self._checked.update(check)
-        for i, written in zip(check, _changed([(_get(self.slots[i]), self.initial[i]) for i in check])):
+        self._watched_models |= fresh
+        check = [k for k, pending in enumerate(self._pending) if pending & fresh]
+        slots = [i for k in check for i in self._groups[k]]
+        changed = dict(zip(slots, _changed([(_get(self.slots[i]), self.initial[i]) for i in slots])))
+        for k in check:
+            group = self._groups[k]
+            written = any(changed[i] for i in group)  # written in place, or re-assigned through any owner
             if written:
-                self.always.append(i)
-            else:
-                self.initial[i] = LAZY
-                if self._first_record is not None:
-                    self._first_record.pop(i, None)
+                self.always += group
+                self._pending[k] = set()
+                continue
+            self._pending[k] -= fresh
+            if not self._pending[k]:  # every owner ran without writing it
+                for i in group:
+                    self.initial[i] = LAZY
+                    if self._first_record is not None:
+                        self._first_record.pop(i, None)
 
     def restore(self, record: Dict[int, Any]) -> None:
         """Put the buffers back to their values before the pass-1 forward of ``record``'s chunk."""

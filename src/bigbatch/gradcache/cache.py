@@ -18,7 +18,6 @@ gradients per input, plus what the loss needs. Work: one extra forward per re-ru
 from __future__ import annotations
 
 import numbers
-import warnings
 from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
@@ -28,7 +27,7 @@ from .budget import ChunkProber, MemoryArg, allocated_now, parse_memory, plannin
 from .chunking import batch_size, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, backprop, encode, finalize_plan
 from .inputs import backward_into_originals, inputs_require_grad, with_boundaries
-from .wrappers import DDP_SYNC_MODES, check_not_fsdp, check_not_parametrize_cached, is_ddp
+from .wrappers import DDP_SYNC_MODES, check_not_fsdp, check_not_parametrize_cached, is_ddp, warn_user
 
 _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 # Chunk sizes and kept graphs are planned against 95% of the budget (the 5%: allocator rounding and
@@ -313,10 +312,10 @@ class GradCache:
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             sent, graphs = backprop(units, [leaf.grad for leaf in leaves], opts)
             if sent and not graphs:  # a plain step would train the loss's own parameters only, or fail
-                warnings.warn(
+                warn_user(
                     "GradCache: no chunk of a trained encoder built a graph: their forwards used no tensor that "
                     "requires grad (an encoder run under torch.no_grad(), or outputs detached inside the model); "
-                    "the encoders got no gradient", stacklevel=2)
+                    "the encoders got no gradient")
             backward_into_originals(boundaries)
         finally:
             for u in units:  # never leave a kept graph alive after an error

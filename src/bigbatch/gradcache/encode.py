@@ -14,7 +14,6 @@ forward + backward; work: one extra forward per chunk.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import replace
 from typing import Any, Callable, List, Optional
 
@@ -27,7 +26,7 @@ from .cache import _BUDGET_FRACTION, _identity, check_options, default_budget
 from .chunking import batch_size, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, _autocast, backprop, encode, finalize_plan
 from .inputs import Pairs, inputs_require_grad, with_boundaries
-from .wrappers import check_not_fsdp, check_not_parametrize_cached, is_ddp
+from .wrappers import check_not_fsdp, check_not_parametrize_cached, is_ddp, warn_user
 
 _PROBER = ChunkProber()
 
@@ -64,9 +63,9 @@ class _CachedEncode(torch.autograd.Function):
         with torch.enable_grad():
             sent, graphs = backprop(units, [grad], opts)
         if sent and not graphs:  # as the plain forward's output would have had no grad_fn
-            warnings.warn("cached_encode: no chunk of the encoder built a graph (its forward used no tensor that "
-                          "requires grad: run under torch.no_grad(), or only frozen parts of a shared module); "
-                          "it sent no gradient", stacklevel=2)
+            warn_user("cached_encode: no chunk of the encoder built a graph (its forward used no tensor that "
+                      "requires grad: run under torch.no_grad(), or only frozen parts of a shared module); "
+                      "it sent no gradient")
         in_grads = []
         for b in ctx.boundaries:
             in_grads.append(b.grad)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, ContextManager, Sequence
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -25,6 +26,21 @@ _FSDP_WHY = (
 
 def is_ddp(model: nn.Module) -> bool:
     return isinstance(model, DistributedDataParallel)
+
+
+def warn_user(message: str) -> None:
+    """``warnings.warn`` attributed to the first caller outside bigbatch and torch (a GradCache
+    step, or the ``loss.backward()`` that reached a cached_encode node), so that each call site is
+    reported."""
+    import os
+    import sys
+    import warnings
+
+    skip = tuple(os.path.dirname(os.path.abspath(m.__file__)) for m in (torch, sys.modules["bigbatch"]))
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level)
 
 
 def check_not_parametrize_cached(what: str, models: Sequence[nn.Module]) -> None:
