@@ -36,9 +36,10 @@ def warn_user(message: str) -> None:
     import sys
     import warnings
 
-    skip = tuple(os.path.dirname(os.path.abspath(m.__file__)) for m in (torch, sys.modules["bigbatch"]))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bigbatch/, whatever it is imported as
+    skip = tuple(os.path.join(d, "") for d in (os.path.dirname(os.path.abspath(torch.__file__)), package))
     level, frame = 2, sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
+    while frame is not None and frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, UserWarning, stacklevel=level)
 
