@@ -285,34 +285,35 @@ class TritonSigmoid:
         # (a trained model's negatives, before any loss scaling reaches them); stored times 2^15
         # (|G| <= 1, so <= 32768 < 65504) and products scaled back by exactly 2^-15
         g_scale = 2.0 ** 15 if q.dtype == torch.float16 else 1.0
-        for rs in blocks(m, tr):
-            tm = rs.stop - rs.start
-            for cs in blocks(n, tc):
-                tn = cs.stop - cs.start
-                if q_ids is not None:
-                    diag = 0
-                elif diagonal is None:
-                    diag = tn  # out of range: no positives
-                else:
-                    diag = diagonal + rs.start - cs.start
-                g_tile = work[: tm * tn].view(tm, tn) if write_g else work
-                grid = (triton.cdiv(tm, bm) * triton.cdiv(tn, bn),)
-                _siglip_tile_kernel[grid](
-                    q[rs], k[cs], g_tile,
-                    q_ids[rs] if q_ids is not None else q, k_ids[cs] if k_ids is not None else k,
-                    parts[0], parts[1], scale, bias,
-                    tm, tn, d, diag,
-                    q.stride(0), k.stride(0), tn,
-                    HAS_IDS=q_ids is not None, WRITE_G=write_g, EVEN_K=d % bk == 0,
-                    MASK_MN=tm % bm != 0 or tn % bn != 0, PRECISION=precision, FAST=self.fast_math and q.is_cuda and torch.version.hip is None,
-                    G_SCALE=g_scale,
-                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                    **launch_opts,
-                )
-                sums = parts[:, : grid[0]].sum(dim=1, dtype=ct)
-                loss += sums[0]
-                g_sum += sums[1]
-                with fp32_matmul(self.fp32_precision if q.dtype == torch.float32 else None):
+        # the gradient products at the requested fp32 precision (set once for all tiles)
+        with fp32_matmul(self.fp32_precision if q.dtype == torch.float32 else None):
+            for rs in blocks(m, tr):
+                tm = rs.stop - rs.start
+                for cs in blocks(n, tc):
+                    tn = cs.stop - cs.start
+                    if q_ids is not None:
+                        diag = 0
+                    elif diagonal is None:
+                        diag = tn  # out of range: no positives
+                    else:
+                        diag = diagonal + rs.start - cs.start
+                    g_tile = work[: tm * tn].view(tm, tn) if write_g else work
+                    grid = (triton.cdiv(tm, bm) * triton.cdiv(tn, bn),)
+                    _siglip_tile_kernel[grid](
+                        q[rs], k[cs], g_tile,
+                        q_ids[rs] if q_ids is not None else q, k_ids[cs] if k_ids is not None else k,
+                        parts[0], parts[1], scale, bias,
+                        tm, tn, d, diag,
+                        q.stride(0), k.stride(0), tn,
+                        HAS_IDS=q_ids is not None, WRITE_G=write_g, EVEN_K=d % bk == 0,
+                        MASK_MN=tm % bm != 0 or tn % bn != 0, PRECISION=precision, FAST=self.fast_math and q.is_cuda and torch.version.hip is None,
+                        G_SCALE=g_scale,
+                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                        **launch_opts,
+                    )
+                    sums = parts[:, : grid[0]].sum(dim=1, dtype=ct)
+                    loss += sums[0]
+                    g_sum += sums[1]
                     if dq_acc is not None:
                         mm_acc(dq_acc[rs], g_tile, k[cs], alpha=1.0 / g_scale)
                     if dk_acc is not None:

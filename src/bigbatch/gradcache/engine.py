@@ -145,13 +145,6 @@ def grad_mode_dependent(model: nn.Module) -> bool:
     return fastpath and any(isinstance(m, nn.MultiheadAttention) and not m.training for m in model.modules())
 
 
-def pass1_grad_mode(mirror: bool) -> Any:
-    """The grad mode of a pass-1 forward: off, or on for a ``grad_mode_dependent`` model (its graph
-    is dropped as soon as the representation is detached: memory of one chunk's activations, which
-    the chunk size already allows for its re-run)."""
-    return torch.enable_grad() if mirror else torch.no_grad()
-
-
 class Written:
     """Version counters of a chunk's input tensors around its first forward: a forward that writes
     its input in place (``x.div_(255)``) would leave its re-run a different input, so it is an
@@ -184,9 +177,10 @@ def _first_run(u: Unit, chunk: Any, opts: EngineOptions, devices: List[int], mir
         u.rng = RngState(sorted(set(devices) | set(cuda_devices_of(tensor_leaves(chunk)))))
         mirror = mirror and u.rerun
         detect = opts.detect_hidden and not u.rerun
-        # a mirrored forward builds a graph: under no_sync, so that DDP neither arms its reducer
-        # nor re-broadcasts buffers before the next chunk
-        with sync_context(u.model, sync=not (mirror or detect))(), pass1_grad_mode(mirror or detect):
+        # a mirrored forward builds a graph, dropped as soon as the representation is detached
+        # (one chunk's activations, which the chunk size allows for its re-run anyway); under
+        # no_sync, so that DDP neither arms its reducer nor re-broadcasts buffers before the next chunk
+        with sync_context(u.model, sync=not (mirror or detect))(), torch.set_grad_enabled(mirror or detect):
             rep = _rep(opts, u.model, chunk, u.rows, graph=False)
         if detect and rep.requires_grad:
             u.rerun = True
@@ -245,6 +239,15 @@ def grad_slices(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: 
     return slices
 
 
+def _send(rep: Tensor, grad: Tensor, opts: EngineOptions) -> int:
+    """Back-propagate a chunk's slice of the cached gradient; returns 1 if the chunk built a graph,
+    0 if its forward used no tensor that requires grad (nothing to send)."""
+    if not rep.requires_grad:
+        return 0
+    torch.autograd.backward(rep, grad.to(rep.device, rep.dtype), inputs=opts.grad_targets)
+    return 1
+
+
 def backprop_kept(units: Sequence[Unit], slices: Dict[int, Tensor], opts: EngineOptions) -> Tuple[int, int]:
     """Back-propagate (and free) every kept graph. Runs before any chunk is re-run, so kept
     activations never coexist with a re-run chunk's forward + backward. Returns (chunks with a
@@ -257,9 +260,7 @@ def backprop_kept(units: Sequence[Unit], slices: Dict[int, Tensor], opts: Engine
         if k in slices:
             sent += 1
             with sync_context(u.model, sync=False)(), GradAccumulation(u.model).chunk():
-                if rep.requires_grad:
-                    graphs += 1
-                    torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype), inputs=opts.grad_targets)
+                graphs += _send(rep, slices[k], opts)
         del rep
     return sent, graphs
 
@@ -307,9 +308,7 @@ def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tens
                 states, record = u.buffers
                 with restoring(states, record, [u.model]), torch.enable_grad(), u.rng.replay():
                     rep = _rep(opts, u.model, chunk, u.rows)
-                if rep.requires_grad:
-                    graphs += 1
-                    with no_amp(), acc.chunk():
-                        torch.autograd.backward(rep, slices[k].to(rep.device, rep.dtype), inputs=opts.grad_targets)
+                with no_amp(), acc.chunk():
+                    graphs += _send(rep, slices[k], opts)
             del rep
     return graphs

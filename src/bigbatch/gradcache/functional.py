@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from .buffers import BufferStates, buffers_restored, recording, restoring
 from .chunking import tensor_leaves
-from .engine import Written, compact, grad_mode_dependent, pass1_grad_mode
+from .engine import Written, compact, grad_mode_dependent
 from .rng import RngState, cuda_devices_of
 from .wrappers import check_not_parametrize_cached
 
@@ -96,7 +96,7 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
         # grad mode off, as the public package; on (graph dropped) where a module's forward would
         # take another path without it (engine.grad_mode_dependent), so the re-run matches
         written = Written((list(args), kwargs))
-        with recording(states, modules) as box, pass1_grad_mode(any(map(grad_mode_dependent, modules))):
+        with recording(states, modules) as box, torch.set_grad_enabled(any(map(grad_mode_dependent, modules))):
             out = func(*args, **kwargs)
         written.check(rerun=True)
         record = box["record"]
