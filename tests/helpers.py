@@ -5,6 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+# Where backend="triton" runs in the tests: a CUDA device when there is one (the real kernels),
+# otherwise the CPU under Triton's interpreter (conftest sets TRITON_INTERPRET=1 there).
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def rel_err(x: Tensor, ref: Tensor) -> float:
     """||x - ref|| / ||ref|| in float64 (absolute error when ref is all zeros). NaN stays NaN."""

@@ -3,6 +3,7 @@ EVERY rank of the group instead of leaving the healthy ranks waiting in the ring
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -105,3 +106,41 @@ def test_siglip_ring_backends_configured_differently_raise_on_every_rank():
     differently would exchange messages of different sizes (gloo aborted every process)."""
     for msg in run_gloo(_siglip_backends_differ, 2, timeout=120.0):
         assert "backend_config must be the same on every rank" in msg, msg
+
+
+def test_group_backend_and_feature_device_must_match():
+    """gloo moves only CPU tensors through all_gather/send/recv and NCCL only CUDA tensors: a
+    mismatch is a clear error (found before any transfer), and the metadata exchange that reports
+    it runs on a device the group can move."""
+    from bigbatch.distributed.ring import _group_device
+
+    problem, device = _group_device("gloo", torch.device("cuda", 0))
+    assert "backend is gloo" in problem and "NCCL group" in problem and device.type == "cpu"
+    problem, device = _group_device("nccl", torch.device("cpu"))
+    assert "backend is nccl" in problem and device.type == "cuda"
+    for backend, dev in (("gloo", "cpu"), ("nccl", "cuda"), ("cuda:nccl,cpu:gloo", "cuda"), ("cuda:nccl,cpu:gloo", "cpu")):
+        assert _group_device(backend, torch.device(dev)) == (None, torch.device(dev))
+
+
+def _gloo_cuda_features(rank: int, world: int):
+    out = []
+    for loss in ("clip", "infonce", "siglip"):
+        for backend in ("auto",) if loss == "siglip" else ("auto", "reference"):  # (siglip: no reference ring)
+            q, k = torch.randn(4 + rank, 3, device="cuda"), torch.randn(4 + rank, 3, device="cuda")
+            try:
+                if loss == "siglip":
+                    bigbatch.siglip_loss(q, k, 2.0, -1.0, group=dist.group.WORLD, backend=backend)
+                else:
+                    (bigbatch.clip_loss if loss == "clip" else bigbatch.infonce_loss)(
+                        q, k, 2.0, group=dist.group.WORLD, backend=backend)
+                out.append("no error")
+            except ValueError as exc:
+                out.append(str(exc))
+            dist.barrier()
+    return out
+
+
+@pytest.mark.gpu
+def test_cuda_features_on_a_gloo_group_raise_on_every_rank():
+    for per_rank in run_gloo(_gloo_cuda_features, 2, timeout=120.0):
+        assert all("backend is gloo" in msg for msg in per_rank), per_rank

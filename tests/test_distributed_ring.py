@@ -414,3 +414,53 @@ def test_ring_nccl_two_gpus(tmp_path):
     bad = [c for c in payload["checks"] if not c["ok"]]
     assert not bad, f"checks beyond tolerance: {bad}"
     assert payload["rows"][0]["status"] == "ok"
+
+
+def _values_on_every_rank(rank: int, world: int):
+    """Each loss's returned value on this rank: clean shards, then a NaN in rank 1's queries."""
+    import bigbatch
+
+    sizes = [1, 5, 3][:world]
+    start = sum(sizes[:rank])
+    g = torch.Generator().manual_seed(7)
+    q_all, k_all = torch.randn(sum(sizes), 4, generator=g, dtype=torch.float64), torch.randn(sum(sizes), 4, generator=g, dtype=torch.float64)
+    out = []
+    for poison in (False, True):
+        q, k = q_all[start:start + sizes[rank]].clone(), k_all[start:start + sizes[rank]].clone()
+        if poison and rank == 1:
+            q[0, 1] = float("nan")
+        for name, backend in (("clip", "torch"), ("clip", "reference"), ("infonce", "torch"), ("infonce", "reference"),
+                              ("infonce_sum", "torch"), ("siglip", "torch")):
+            qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
+            if name == "siglip":
+                value = bigbatch.siglip_loss(qq, kk, 3.0, -1.0, group=dist.group.WORLD, backend=backend)
+            elif name == "infonce_sum":
+                value = bigbatch.infonce_loss(qq, kk, 3.0, reduction="sum", group=dist.group.WORLD, backend=backend)
+            else:
+                value = getattr(bigbatch, f"{name}_loss")(qq, kk, 3.0, group=dist.group.WORLD, backend=backend)
+            value.backward()  # the backward is a collective: every rank runs it
+            out.append(((name, backend, poison), value.item(), qq.grad.clone()))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_returns_the_global_loss_and_sees_a_nan(world):
+    """The value on every rank is the global loss (its gradient is still the rank's share: the
+    averaged gradients are checked elsewhere), so a NaN in one rank's queries is a NaN everywhere
+    (before, the other ranks got a finite share and a finite-loss guard hung the ring)."""
+    import bigbatch
+    from bigbatch import reference
+
+    per_rank = run_gloo(_values_on_every_rank, world, timeout=240.0)
+    sizes = [1, 5, 3][:world]
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(sum(sizes), 4, generator=g, dtype=torch.float64), torch.randn(sum(sizes), 4, generator=g, dtype=torch.float64)
+    want = {"clip": reference.clip_loss(q, k, 3.0).item(), "infonce": reference.infonce_loss(q, k, 3.0).item(),
+            "infonce_sum": bigbatch.infonce_loss(q, k, 3.0, reduction="sum", backend="reference").item(),
+            "siglip": reference.siglip_loss(q, k, 3.0, -1.0).item()}
+    for i, ((name, backend, poison), _, _) in enumerate(per_rank[0]):
+        values = [r[i][1] for r in per_rank]
+        if poison:
+            assert all(v != v for v in values), (name, backend, values)
+        else:
+            assert all(abs(v - want[name]) <= 1e-12 * abs(want[name]) for v in values), (name, backend, values, want[name])

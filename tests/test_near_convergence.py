@@ -13,7 +13,7 @@ import bigbatch
 from bigbatch import reference
 from bigbatch.backends import TorchTiles, triton_available
 
-from helpers import assert_rel
+from helpers import TRITON_DEVICE, assert_rel
 
 BACKENDS = [pytest.param("torch", id="torch"), pytest.param(TorchTiles(tile_rows=16, tile_cols=24), id="torch-16x24")]
 if triton_available():
@@ -28,9 +28,11 @@ def _aligned_pairs(b: int, d: int, noise: float, seed: int):
 
 
 def _check(q, k, labels, scale, backend, dtype, loss_name, tol):
+    if backend == "triton":  # the real kernels on a GPU machine, the interpreter on the CPU
+        q, k, labels = q.to(TRITON_DEVICE), k.to(TRITON_DEVICE), labels.to(TRITON_DEVICE)
     qd = q.to(dtype).requires_grad_()
     kd = k.to(dtype).requires_grad_()
-    s = torch.tensor(scale, requires_grad=True)
+    s = torch.tensor(scale, device=q.device, requires_grad=True)
     q64 = qd.detach().double().requires_grad_()
     k64 = kd.detach().double().requires_grad_()
     s64 = torch.tensor(scale, dtype=torch.float64, requires_grad=True)
@@ -57,7 +59,7 @@ def test_half_inputs_near_convergence(backend, loss_name):
     # Mean positive probability ~0.985: well inside fp32's reach (1 - P_ii ~ 1e-2 >> fp32
     # rounding of the logits), yet a half-precision rounding of either term before they cancel
     # costs ~30%. bf16 keeps fp32's exponent range for these small gradients (fp16 would need a
-    # GradScaler). Triton runs under TRITON_INTERPRET=1 on the CPU.
+    # GradScaler). Triton runs on the GPU when there is one, else under TRITON_INTERPRET=1 on the CPU.
     _check(q, k, labels, 11.0, backend, torch.bfloat16, loss_name, 2e-2)
 
 

@@ -151,9 +151,10 @@ def test_output_dir_guards(tmp_path, data, capsys):
         (["--device", "meta"], "--device must be auto, cpu, cuda or cuda:N"),
         (["--device", "foo"], "--device must be auto, cpu, cuda or cuda:N"),
         (["--backend", "foo"], "--backend foo: backend must be one of"),
-        (["--backend", "triton"], "--backend triton: backend='triton' needs CUDA"),
-        # found only in the first step: the run's output is removed again
-        (["--memory-budget", "100B"], "cannot even hold the cached representations"),
+        (["--backend", "triton", "--device", "cpu"], "--backend triton: backend='triton' needs CUDA"),
+        # found only in the first step: the run's output is removed again (CPU: on a GPU the weights
+        # alone already exceed the budget, a different clear error)
+        (["--memory-budget", "100B", "--device", "cpu"], "cannot even hold the cached representations"),
     ],
 )
 def test_bad_options_are_clear_errors(tmp_path, data, capsys, args, pattern, monkeypatch):
@@ -177,7 +178,8 @@ def test_unusable_out_path_is_a_clear_error(tmp_path, data, capsys):
 
 
 @pytest.mark.parametrize("extra", [["--loss", "siglip"], ["--accumulate"], ["--precision", "bf16"],
-                                   ["--memory-budget", "64MiB"], ["--loss", "infonce", "--hard-negatives", "2"]])
+                                   ["--memory-budget", "64MiB", "--device", "cpu"],  # a CPU-sized budget
+                                   ["--loss", "infonce", "--hard-negatives", "2"]])
 def test_variants_run(tmp_path, data, extra):
     out = tmp_path / "run"
     assert _run("--data", data[0], "--eval-data", data[1], "--batch-size", 64, "--chunk-size", 16, "--steps", 3,
@@ -206,7 +208,7 @@ def test_cli_help_and_bench_dispatch(capsys):
 
 def _dist_worker(rank, world, data_path, eval_path, out):
     cfg = TrainConfig(data=data_path, eval_data=eval_path, batch_size=64, chunk_size=16, steps=2, lr=0.02,
-                      buckets=4096, dim=32, max_length=16, progress=False, out=out)
+                      buckets=4096, dim=32, max_length=16, progress=False, out=out, device="cpu")
     res = train(cfg, log=lambda s: None)
     return res["after"]
 
@@ -217,7 +219,7 @@ def test_gloo_two_ranks_match_one_process(tmp_path, data):
 
     one = tmp_path / "one"
     train(TrainConfig(data=str(data[0]), eval_data=str(data[1]), batch_size=64, chunk_size=16, steps=2, lr=0.02,
-                      buckets=4096, dim=32, max_length=16, progress=False, out=str(one)), log=lambda s: None)
+                      buckets=4096, dim=32, max_length=16, progress=False, out=str(one), device="cpu"), log=lambda s: None)
     two = tmp_path / "two"
     after = run_gloo(_dist_worker, 2, str(data[0]), str(data[1]), str(two))
     assert after[0] == after[1]

@@ -46,7 +46,13 @@ def _ref_grad(q, k, s, g_row, g_col):
 
 
 def _tol(dtype):
-    return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    return {torch.float32: 1e-5, torch.float16: 2e-3 if DEVICE == "cpu" else 5e-3, torch.bfloat16: 1e-2}[dtype]
+
+
+def _scale_tol(dtype):
+    """d_scale: fp32 products under the interpreter; on a GPU, half inputs meet a half-precision
+    dS workspace in the tensor-core products (the GPU tests' tolerances)."""
+    return 1e-5 if DEVICE == "cpu" or dtype == torch.float32 else 1e-3
 
 
 def _data(b, n, d, dtype, seed=0, normalize=True):
@@ -72,7 +78,7 @@ def test_lse_both_directions(dtype, b, n, d):
 def test_lse_one_direction(rows, cols):
     q, k = _data(21, 50, 19, torch.float32)
     s = torch.tensor(2.0, device=DEVICE)
-    lr, lc = TritonTiles(**SMALL).lse(q, k, s, rows=rows, cols=cols)
+    lr, lc = TritonTiles(precision="ieee", **SMALL).lse(q, k, s, rows=rows, cols=cols)
     _, ref_r, ref_c = _ref_stats(q, k, 2.0)
     assert (lr is None) != rows and (lc is None) != cols
     if rows:
@@ -95,10 +101,10 @@ def test_lse_grad(dtype, which):
     dq, dk, d_s = be.lse_grad(q, k, s, lr, lc, g_row, g_col)
     ref_dq, ref_dk, ref_ds = _ref_grad(q, k, 5.0, g_row, g_col)
     assert dq.dtype == dk.dtype == dtype and d_s.dtype == torch.float32 and d_s.dim() == 0
-    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    tol = _tol(dtype)
     assert_rel(dq, ref_dq, tol, "dq")
     assert_rel(dk, ref_dk, tol, "dk")
-    assert_rel(d_s, ref_ds, 1e-5, "d_scale")
+    assert_rel(d_s, ref_ds, _scale_tol(dtype), "d_scale")
     # grad_dtype=float32 (the ring's partial sums) gives the unrounded accumulators.
     dq32, dk32, _ = be.lse_grad(q, k, s, lr, lc, g_row, g_col, grad_dtype=torch.float32)
     assert dq32.dtype == dk32.dtype == torch.float32
@@ -116,6 +122,8 @@ def test_lse_grad(dtype, which):
 def test_kernel_variants(tune, spread):
     """Every kernel variant, on data whose tiles take the one-exp fast path (close) and on data
     whose column maxima sit far below the tile max (spread: the exact two-exp fallback)."""
+    if DEVICE == "cuda" and tune.get("products") == "cublas":
+        pytest.skip("fp32 features with cuBLAS products are refused on a GPU (test_gpu_cublas_products_refuse_fp32)")
     b, n, d = 37, 45, 19
     q, k = _data(b, n, d, torch.float32, seed=21)
     if spread:
@@ -174,7 +182,7 @@ def test_products_take_half_features(products):
     assert dq.dtype == dk.dtype == torch.float16
     assert_rel(dq, ref_dq, 2e-3, "dq")
     assert_rel(dk, ref_dk, 2e-3, "dk")
-    assert_rel(d_s, ref_ds, 1e-4, "d_scale")
+    assert_rel(d_s, ref_ds, 1e-4 if DEVICE == "cpu" else 1e-3, "d_scale")
 
 
 def test_lse_grad_no_direction_is_zero():
@@ -209,7 +217,7 @@ def test_infonce_extra_keys_and_labels():
     q = features(b, d, device=DEVICE, seed=5)
     k = features(n, d, device=DEVICE, seed=6)
     labels = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:b].to(DEVICE)
-    out = bigbatch.infonce_loss(q, k, 9.0, labels=labels, reduction="none", backend=TritonTiles(**SMALL))
+    out = bigbatch.infonce_loss(q, k, 9.0, labels=labels, reduction="none", backend=TritonTiles(precision="ieee", **SMALL))
     gout = torch.linspace(0.1, 2.0, b, device=DEVICE)
     (out * gout).sum().backward()
     q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
@@ -242,7 +250,7 @@ def test_nan_propagates(where):
     (q if where == "q" else k)[17, 4] = float("nan")
     q.requires_grad_(), k.requires_grad_()
     be = TritonTiles(**SMALL)
-    lr, lc = be.lse(q.detach(), k.detach(), torch.tensor(3.0), rows=True, cols=True)
+    lr, lc = be.lse(q.detach(), k.detach(), torch.tensor(3.0, device=DEVICE), rows=True, cols=True)
     assert torch.isnan(lr).any() and torch.isnan(lc).any()
     loss = bigbatch.clip_loss(q, k, 3.0, backend=be)
     assert torch.isnan(loss)
@@ -256,7 +264,7 @@ def test_non_contiguous_inputs():
     k = base_k[:, ::2]  # strided columns
     q2 = base_q[::2].contiguous()
     s = torch.tensor(4.0, device=DEVICE)
-    be = TritonTiles(**SMALL)
+    be = TritonTiles(precision="ieee", **SMALL)
     lr, lc = be.lse(q[:, :15], k, s, rows=True, cols=True)
     _, ref_r, ref_c = _ref_stats(q2[:, :15], k.contiguous(), 4.0)
     assert_rel(lr, ref_r, 1e-6, "lse_row")

@@ -149,3 +149,23 @@ def test_triton_sigmoid_block_given_as_a_list():
     from bigbatch.backends.triton_sigmoid import TritonSigmoid
 
     assert TritonSigmoid(block=[32, 32, 32, 4, 1]).block == (32, 32, 32, 4, 1)
+
+
+def test_backend_class_instead_of_instance_is_a_clear_error():
+    from bigbatch.backends import TorchSigmoid
+
+    with pytest.raises(TypeError, match=r"got the class TorchTiles: pass an instance, e.g. backend=TorchTiles\(\)"):
+        bigbatch.clip_loss(ok(), ok(), 1.0, backend=TorchTiles)
+    with pytest.raises(TypeError, match=r"backend=TorchSigmoid\(\)"):
+        bigbatch.siglip_loss(ok(), ok(), 1.0, 0.0, backend=TorchSigmoid)
+
+
+def test_numpy_zero_d_scale_is_a_number():
+    np = pytest.importorskip("numpy")
+    q, k = ok(), ok()
+    want = bigbatch.clip_loss(q, k, 2.5)
+    assert torch.equal(bigbatch.clip_loss(q, k, np.array(2.5)), want)
+    assert torch.equal(bigbatch.clip_loss(q, k, np.float32(2.5)), want)
+    assert torch.equal(bigbatch.siglip_loss(q, k, np.array(2), np.array(-1.0)), bigbatch.siglip_loss(q, k, 2.0, -1.0))
+    with pytest.raises(TypeError, match="scale must be a float"):
+        bigbatch.clip_loss(q, k, np.array([2.5, 1.0]))

@@ -61,6 +61,8 @@ def prepare_scalar(name: str, value: object, like: Tensor) -> Tensor:
     A 0-d tensor on the CPU is accepted with CUDA features, as torch does for scalars.
     """
     ct = compute_dtype(like.dtype)
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == () and value.dtype.kind in "iuf":
+        value = value.item()  # a 0-d numpy array, as numpy scalars are accepted
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, Tensor)):
         raise TypeError(f"{name} must be a float or a 0-d floating tensor, got {type(value).__name__}")
     if isinstance(value, numbers.Real):

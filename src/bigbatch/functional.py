@@ -102,7 +102,11 @@ def infonce_loss(
         labels: (B,) integer index of each query's positive key; default ``arange(B)`` (needs N >= B).
             With ``group``, labels index the global key set (keys of all ranks, in rank order).
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-query losses, shape (B,)).
-        group: ``None`` or a process group (each rank holds a shard of queries and keys).
+        group: ``None`` or a process group (each rank holds a shard of queries and keys). ``"mean"`` /
+            ``"sum"`` return the global mean / sum on every rank, and gradients averaged over ranks
+            (DDP) are the single-process ones. ``"none"`` returns this rank's queries' terms of the
+            global loss: under DDP averaging back-propagate ``rows.sum() * world_size`` (the global
+            sum) or ``rows.sum() * world_size / global_query_count`` (the global mean).
         backend: ``"auto"``, ``"reference"``, ``"torch"``, ``"triton"`` or a backend object.
     """
     group = check_group(group)
@@ -154,8 +158,8 @@ def siglip_loss(
             tensor of class ids: image i and text j are positive iff ``labels[i] == labels[j]``.
             With ``group``, ids are compared across all ranks' shards.
         group: ``None`` or a process group; each rank holds a shard of the pairs (shards may differ in
-            size). The returned value is this rank's share ``world/B_global * sum over its rows``
-            (OpenCLIP's convention): its mean over ranks is the global loss, and gradients averaged
+            size). Every rank returns the global loss; its backward gives this rank's share
+            ``world/B_global * sum over its rows`` of the gradients, so that gradients averaged
             over ranks (DDP) equal the single-process gradients, scale and bias included.
         backend: ``"auto"``, ``"reference"``, ``"torch"``, ``"triton"`` or a sigmoid backend object.
     """

@@ -107,9 +107,9 @@ class ClipLoss(_GroupLoss):
     ``group`` (or OpenCLIP's ``rank``/``world_size`` of the initialised default group) makes the
     loss global over the ranks' shards, through bigbatch's ring: no feature gather, and the
     gradients averaged over ranks (DDP) are always the exact global ones -- OpenCLIP's
-    ``gather_with_grad=True``, also when ``gather_with_grad=False`` is passed. Each rank returns its
-    share of the loss (the mean over ranks is the global loss), the value OpenCLIP's
-    ``local_loss=True`` returns; ``local_loss`` and ``cache_labels`` change nothing here.
+    ``gather_with_grad=True``, also when ``gather_with_grad=False`` is passed. Every rank returns the
+    global loss (OpenCLIP's ``local_loss=False`` value) and back-propagates its share of it;
+    ``local_loss`` and ``cache_labels`` change nothing here.
     ``use_horovod=True`` is refused.
     """
 

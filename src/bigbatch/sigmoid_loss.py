@@ -43,7 +43,7 @@ class SigmoidLoss(torch.autograd.Function):
         dk.mul_(factor)
         ctx.in_dtype = q.dtype
         ctx.save_for_backward(dq, dk, d_scale, g_sum.mul_(norm))
-        return loss.mul_(norm)
+        return loss * norm  # out of place: see tiled_lse.positive_logits
 
     @staticmethod
     @first_order

@@ -66,6 +66,9 @@ def resolve_backend(
     ``dtype`` when given (the fused kernels take half and single precision: ``"auto"`` keeps float64
     on the torch tiles, ``"triton"`` refuses it)."""
     protocol, what, torch_cls, _, _ = _OPS[op]
+    if isinstance(backend, type):  # the class passes the Protocol check; its methods are unbound
+        raise TypeError(f"backend must be one of {BACKEND_NAMES} or {what}, got the class "
+                        f"{backend.__name__}: pass an instance, e.g. backend={backend.__name__}()")
     if not isinstance(backend, str):
         if isinstance(backend, protocol):
             if not backend.supports(device):

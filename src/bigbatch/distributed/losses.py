@@ -1,8 +1,9 @@
 """CLIP and InfoNCE losses over a process group: cross-rank checks, then the ring (or gather).
 
-Returned values follow the distributed contract (docs/ring.md): each rank returns ``world_size`` times its
-share of the global loss (so the MEAN over ranks is the global loss), and its backward
-yields its share of every gradient, so that DDP-style averaging of parameter gradients
+Returned values follow the distributed contract (docs/ring.md): every rank returns the global loss
+(one scalar all_reduce of the ranks' ``world_size`` x shares, detached: a NaN anywhere is a NaN
+everywhere), and its backward yields its share of every gradient (that of ``world_size`` x its
+share), so that DDP-style averaging of parameter gradients
 over ranks gives exactly the single-process gradient over the whole batch, also with
 shards of different sizes. With ``reduction="none"`` the per-query losses of this rank's
 queries are returned as they are (they are the global loss's terms); their backward
@@ -21,7 +22,7 @@ from torch import Tensor
 from .._validate import as_signed, check_int_vector
 from ..backends.base import TileBackend, compute_dtype
 from .gather import gather_rows_with_grad
-from .ring import Ring, agree, dtype_code, offsets
+from .ring import Ring, agree, dtype_code, global_value, offsets
 from .softmax import RingPlan, grad_chunk_rows, own_positives, positive_index, ring_softmax_stats
 
 Backend = Union[str, TileBackend]
@@ -147,10 +148,10 @@ def ring_clip_loss(
         labels = torch.arange(start, start + b, device=image.device)
         per_image = F.cross_entropy(scale * (image.to(ct) @ all_text.t()), labels, reduction="sum")
         per_text = F.cross_entropy(scale * (text.to(ct) @ all_image.t()), labels, reduction="sum")
-        return (per_image + per_text) * (ring.world / (2.0 * total))
+        return global_value(ring, (per_image + per_text) * (ring.world / (2.0 * total)))
     plan = _plan(ring, table, image, None, cols=True, chunk=grad_chunk)
     lse_row, lse_col, pos = ring_softmax_stats(image, text, scale, plan, backend)
-    return (lse_row.sum() + lse_col.sum() - 2.0 * pos.sum()) * (ring.world / (2.0 * total))
+    return global_value(ring, (lse_row.sum() + lse_col.sum() - 2.0 * pos.sum()) * (ring.world / (2.0 * total)))
 
 
 def ring_infonce_loss(
@@ -168,7 +169,7 @@ def ring_infonce_loss(
 
     ``labels`` (b_r,) index the GLOBAL key set (all ranks' keys in group-rank order); ``None``
     pairs query i with key i of the same rank. ``reduction``: ``"mean"`` / ``"sum"`` return
-    world_size x this rank's share of the global mean / sum; ``"none"`` this rank's per-query losses.
+    the global mean / sum (backward: this rank's share); ``"none"`` this rank's per-query losses.
     """
     ring = Ring.of(group)
     b, n = q.shape[0], k.shape[0]
@@ -202,5 +203,5 @@ def ring_infonce_loss(
     if reduction == "none":
         return per_row
     if reduction == "sum":
-        return per_row.sum() * float(ring.world)
-    return per_row.sum() * (ring.world / float(total_q))
+        return global_value(ring, per_row.sum() * float(ring.world))
+    return global_value(ring, per_row.sum() * (ring.world / float(total_q)))

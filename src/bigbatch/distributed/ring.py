@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Pending", "Ring", "agree", "dtype_code", "offsets"]
+__all__ = ["Pending", "Ring", "agree", "dtype_code", "global_value", "offsets"]
 
 # Stable small integers for the dtypes a feature tensor may have (exchanged as metadata).
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
@@ -126,12 +126,41 @@ class Ring:
         return Pending(works, send, recv)
 
 
+def global_value(ring: "Ring", local: Tensor) -> Tensor:
+    """``local`` (this rank's ``world_size`` x share of a global loss) with its VALUE replaced by the
+    mean over ranks, the global loss, and its gradient unchanged (this rank's share, which DDP's
+    averaging turns into the single-process gradient). Every rank then sees the same loss, and a NaN
+    on any rank is a NaN on all (a finite-loss guard skips the backward on every rank alike).
+    Cost: one scalar ``all_reduce``, no host sync."""
+    if ring.world == 1:
+        return local
+    total = local.detach().clone()
+    dist.all_reduce(total, group=ring.group)
+    return total.div_(ring.world) + (local - local.detach())
+
+
 def offsets(sizes: Sequence[int]) -> List[int]:
     """Start of each shard in the global batch (rank order), plus the total at the end."""
     out = [0]
     for s in sizes:
         out.append(out[-1] + int(s))
     return out
+
+
+def _group_device(backend: str, device: torch.device):
+    """(problem or None, device for the metadata exchange) for features on ``device`` and a group
+    of ``backend``. gloo moves only CPU tensors through all_gather and send/recv, NCCL only CUDA
+    tensors: the mismatch is reported as a local error (raised on every rank) and the exchange
+    runs on a device the group can move, instead of failing inside the transport."""
+    if backend == "gloo" and device.type != "cpu":
+        return (f"the features are on {device} but the process group's backend is gloo, which moves only "
+                f"CPU tensors for these collectives: use an NCCL group for CUDA features (or CPU features)"), \
+            torch.device("cpu")
+    if backend == "nccl" and device.type != "cuda":
+        return (f"the features are on {device} but the process group's backend is nccl, which moves only "
+                f"CUDA tensors: use a gloo group for CPU features (or CUDA features)"), \
+            torch.device("cuda")  # the current device
+    return None, device
 
 
 def agree(
@@ -153,6 +182,9 @@ def agree(
     All ranks of the group must call this with the same field names, in the same order.
     """
     names = list(fields)
+    if ring.world > 1:
+        problem, device = _group_device(dist.get_backend(ring.group), device)
+        local_error = local_error or problem
     local = torch.tensor(
         [float(fields[n]) for n in names] + [1.0 if local_error else 0.0], dtype=torch.float64, device=device
     )

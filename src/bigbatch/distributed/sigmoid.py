@@ -32,8 +32,9 @@ whatever the number of ranks, except where the floors bite (tiny b, huge D: see 
 FLOPs per rank: ``6 * b * B * D`` (B global), as on one GPU.
 
 Value and gradients (OpenCLIP's convention, correct also for uneven shards): rank r returns
-``world / B * sum_{i in r, all j} l_ij``. The mean over ranks of the returned values is the
-global loss ``(1/B) sum_ij l_ij``, and gradients averaged over ranks (DDP) are the
+``world / B * sum_{i in r, all j} l_ij`` as its gradient's loss, whose mean over ranks is the
+global loss ``(1/B) sum_ij l_ij``; the returned value is that global loss on every rank
+(:func:`~bigbatch.distributed.ring.global_value`). Gradients averaged over ranks (DDP) are the
 single-process gradients for the features, the scale and the bias.
 """
 
@@ -50,7 +51,7 @@ from torch import Tensor
 from .._validate import check_pair, prepare_scalar
 from ..backends.base import SigmoidBackend, compute_dtype
 from ..sigmoid_loss import check_class_ids, resolve_sigmoid_backend
-from .ring import Ring, agree, dtype_code
+from .ring import Ring, agree, dtype_code, global_value
 from .._amp import autocast_off
 from .._autograd import first_order
 
@@ -285,7 +286,7 @@ class _RingSigmoid(torch.autograd.Function):
         ctx.in_dtype = q.dtype
         ctx.ring, ctx.sizes, ctx.backend, ctx.plan, ctx.ids, ctx.norm = ring, sizes, backend, plan, ids, norm
         ctx.save_for_backward(q, k, scale, bias, dq, dk, d_scale, g_sum.mul_(norm))
-        return loss.mul_(norm)
+        return loss * norm  # out of place: see tiled_lse.positive_logits
 
     @staticmethod
     @first_order
@@ -373,9 +374,9 @@ def ring_siglip_loss(
     norm = ring.world / sum(sizes)
     plan, impl = _plan_and_backend(impl, sizes, image_features, ids, needs_grad, chunk_rows)
     if needs_grad:
-        return _RingSigmoid.apply(image_features, text_features, s, b, ids, ring, sizes, impl, plan, norm)
+        return global_value(ring, _RingSigmoid.apply(image_features, text_features, s, b, ids, ring, sizes, impl, plan, norm))
     loss, _, _, _ = _ring_pass(ring, sizes, image_features, text_features, ids, s, b, impl, plan, with_grad=False)
-    return loss * norm
+    return global_value(ring, loss * norm)
 
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype)

@@ -147,11 +147,14 @@ class Dist:
 
 def setup_distributed(device_arg: str) -> tuple:
     """``(Dist, device)``: the caller's process group if one is initialised, else joins the
-    torchrun group when ``WORLD_SIZE`` > 1, else a single process."""
+    torchrun group when ``WORLD_SIZE`` > 1, else a single process. ``"auto"`` is the local GPU
+    (CPU without CUDA, or under a caller's gloo group)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device_arg == "auto":
-        device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
+        # a caller's gloo group moves only CPU tensors through the ring: auto follows the group
+        gloo_group = dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "gloo"
+        device = torch.device(f"cuda:{local}" if torch.cuda.is_available() and not gloo_group else "cpu")
     else:
         try:
             device = torch.device(device_arg)
