@@ -585,3 +585,75 @@ def test_inference_tensors_as_inputs_of_a_frozen_tower():
     with torch.no_grad():
         assert cached_encode(frozen, ids, 2).shape == (6, 8)
     assert trained.weight.grad is not None
+
+
+class _WithLengths(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 3).to(F64)
+
+    def forward(self, x, lengths, tag="a"):
+        return self.lin(x) * torch.as_tensor(np.asarray(lengths), dtype=F64)[:, None]
+
+
+def _clip(a, b):
+    import bigbatch
+
+    return bigbatch.clip_loss(a, b, 2.0)
+
+
+@pytest.mark.parametrize("lengths", [[1, 2, 3, 4, 5, 6], (1, 2, 3, 4, 5, 6), np.arange(1, 7)], ids=["list", "tuple", "numpy"])
+def test_non_tensor_entry_of_b_items_is_refused_when_split(lengths):
+    """bigbatch cuts only tensors: a per-row list / numpy array beside them would reach every chunk
+    whole (the loss of a 6-row batch in chunks of 2 was 2.07 instead of 2.96, silently)."""
+    model, x = _WithLengths(), torch.randn(6, 4, dtype=F64)
+    inputs = {"x": x, "lengths": lengths}
+    with pytest.raises(ValueError, match="6 items without tensors sits beside tensors of 6 rows"):
+        GradCache(model, chunk_sizes=2, loss_fn=_clip)(inputs, inputs)
+    with pytest.raises(ValueError, match="pass per-row values as a tensor"):
+        cached_encode(model, inputs, chunk_size=2)
+    # one chunk (nothing is cut) is exact, and other non-tensor entries still reach every chunk
+    cached_encode(model, inputs, chunk_size=6).sum().backward()
+    cached_encode(model, {"x": x[:2], "lengths": [3], "tag": "ab"}, chunk_size=1).sum().backward()
+
+
+def test_input_modified_between_cached_forward_and_backward_is_an_error():
+    """The re-run would encode the new values (0.39 relative gradient error, silently); a plain
+    graph raises on its saved tensors the same way."""
+    from bigbatch.gradcache import cached
+
+    model = nn.Linear(4, 3).to(F64)
+    x = torch.randn(6, 4, dtype=F64)
+    rep = cached_encode(model, x, chunk_size=2, keep_last_graph=False)
+    x[:, 0] = 0.0
+    with pytest.raises(RuntimeError, match="modified in place after its cached forward"):
+        rep.sum().backward()
+
+    y = torch.randn(6, 4, dtype=F64)
+    rep, closure = cached(lambda m, t: m(t))(model, y)
+    rep.sum().backward()
+    y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified in place after its cached forward"):
+        closure(rep)
+
+
+def test_budget_with_a_split_input_fn_the_model_needs_is_a_clear_error():
+    """The budget's probe cuts row slices of the raw input itself; a model that takes only
+    split_input_fn's chunks failed inside it with its own unrelated TypeError."""
+    model, b = OnBatch(), torch.randn(10, 6, dtype=F64)
+
+    def split(t, c):  # a tensor batch, chunks of the model's own type
+        return [Batch(p) for p in t.split(c)]
+
+    with pytest.raises(ValueError, match=r"give a chunk size \(and no memory_budget\) with this split_input_fn"):
+        GradCache(model, loss_fn=_clip, split_input_fn=split, memory_budget="1GiB")(b, b)
+    with pytest.raises(ValueError, match="give a chunk size"):
+        cached_encode(model, b, split_input_fn=split, memory_budget="1GiB")
+
+
+def test_cached_encode_chunk_size_accepts_numpy_ints_and_names_its_argument():
+    model, x = nn.Linear(4, 3).to(F64), torch.randn(6, 4, dtype=F64)
+    cached_encode(model, x, chunk_size=np.int64(4)).sum().backward()
+    with pytest.raises(ValueError, match=r"chunk_size=None needs a memory_budget on cpu.*pass chunk_size=<rows"):
+        cached_encode(model, x)

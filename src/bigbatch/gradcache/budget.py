@@ -27,7 +27,7 @@ import math
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -124,6 +124,21 @@ def planning_budget(budget: int, fraction: float, cached: float, in_use: int = 0
             f"their gradients ({cached / 2**30:.3g} GiB): raise it, or pass offload_reps=True to keep them on the CPU"
         )
     return usable
+
+
+def probe_cost(prober: "ChunkProber", model: nn.Module, x: Any, get_rep: Callable[[Any], Tensor],
+               autocast_ctx: Callable[[], Any], autocast: Optional[torch.dtype], *, custom_split: bool) -> "ChunkCost":
+    """``prober.cost(...)``, with a clear error when a ``split_input_fn`` is in use and the model
+    cannot run on the probe's row slices of the raw input (it takes only the custom chunks)."""
+    try:
+        return prober.cost(model, x, get_rep, autocast_ctx, autocast)
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
+        if not custom_split:
+            raise
+        raise ValueError(
+            f"a memory budget probes the model on row slices of the input cut by bigbatch, not by "
+            f"split_input_fn, and the model failed on them ({type(exc).__name__}: {exc}): give a chunk "
+            f"size (and no memory_budget) with this split_input_fn") from exc
 
 
 def _signature(model: nn.Module, x: Any, autocast: Optional[torch.dtype]) -> Tuple:

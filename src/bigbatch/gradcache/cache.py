@@ -23,7 +23,7 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from .budget import ChunkProber, MemoryArg, allocated_now, parse_memory, planning_budget
+from .budget import ChunkProber, MemoryArg, allocated_now, parse_memory, planning_budget, probe_cost
 from .chunking import batch_size, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, backprop, encode, finalize_plan
 from .inputs import backward_into_originals, inputs_require_grad, with_boundaries
@@ -66,15 +66,15 @@ def check_chunk_sizes(chunk_sizes: Any) -> List[int]:
                      f"got {chunk_sizes!r}")
 
 
-def default_budget(device: torch.device) -> int:
+def default_budget(device: torch.device, chunk_arg: str = "chunk_sizes") -> int:
     """On CUDA: what is allocated now plus 90% of the device's free memory (a step may use 90% of
-    what is free); on other devices a budget must be given."""
+    what is free); on other devices a budget must be given (``chunk_arg``: the caller's chunk argument)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return torch.cuda.memory_allocated(device) + int(free * _FREE_FRACTION)
     raise ValueError(
-        f"chunk_sizes=None needs a memory_budget on {device.type} (memory cannot be measured there "
-        "the way it is on CUDA): pass chunk_sizes=<rows per chunk> or memory_budget='4GiB'"
+        f"{chunk_arg}=None needs a memory_budget on {device.type} (memory cannot be measured there "
+        f"the way it is on CUDA): pass {chunk_arg}=<rows per chunk> or memory_budget='4GiB'"
     )
 
 
@@ -232,7 +232,8 @@ class GradCache:
         from .engine import _autocast
 
         amp = _autocast(model_device(module), self.autocast_dtype)
-        return self._prober.cost(module, x, self.get_rep_fn or _identity, amp, self.autocast_dtype)
+        return probe_cost(self._prober, module, x, self.get_rep_fn or _identity, amp, self.autocast_dtype,
+                          custom_split=self.split_input_fn is not None)
 
     def _plan_keep(self, units: List[Unit], costs, usable: Optional[int], trainable: Sequence[bool]) -> None:
         """Flag the last chunks of pass 1 whose graphs fit ``usable`` bytes (without a budget: the

@@ -5,12 +5,15 @@ mapping (``dict``, ``UserDict``, Hugging Face ``BatchEncoding``: the chunk keeps
 list or tuple (type kept), a dataclass instance (a copy with every field cut, ``__init__`` not
 run again; called as ``model(chunk)``), or luyug-GradCache style ``(args_list, kwargs_dict)``. Other objects are opaque:
 they need a ``split_input_fn``, and tensors inside them are not seen (no input gradients). Non-tensor
-leaves and 0-d tensors are repeated in every chunk. Splitting makes views, never copies.
+leaves and 0-d tensors are repeated in every chunk, except a sized non-tensor leaf of exactly B items
+(a list of lengths, a numpy array): it may hold per-row values, so it is an error. Splitting makes
+views, never copies.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, List, Optional, Sequence
 
@@ -94,6 +97,8 @@ def split_batch(x: Any, chunk_size: int, *, short_first: bool = False) -> List[A
     """``x`` cut into consecutive chunks of ``chunk_size`` rows; the one shorter chunk (if B is not
     a multiple) comes last, or first with ``short_first`` (GradCache keeps the graph of the last
     chunk, so a full-size last chunk saves the most recomputation)."""
+    if isinstance(chunk_size, numbers.Integral) and not isinstance(chunk_size, bool):
+        chunk_size = int(chunk_size)  # numpy ints, as GradCache's chunk_sizes accepts them
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     b = batch_size(x)
@@ -130,6 +135,19 @@ def split_chunks(x: Any, chunk: int, *, split_input_fn: Optional[Callable[[Any, 
     return split_batch(x, chunk, short_first=True)
 
 
+def _per_row_lookalike(v: Any, b: int) -> bool:
+    """A sized non-tensor leaf (a list of ints or strings, a numpy array) of exactly ``b`` items:
+    it cannot be told from per-row values, which repeating in every chunk would get wrong."""
+    if isinstance(v, (str, bytes, Tensor, Mapping)) or _dataclass(v) or not hasattr(v, "__len__"):
+        return False
+    if isinstance(v, (list, tuple)) and tensor_leaves(v):
+        return False
+    try:
+        return len(v) == b
+    except TypeError:  # a 0-d numpy array
+        return False
+
+
 def split_rows(x: Any, rows: Sequence[int]) -> List[Any]:
     """``x`` cut into consecutive chunks of ``rows[i]`` rows (views; ``sum(rows)`` must be B)."""
     b = batch_size(x)
@@ -145,6 +163,11 @@ def split_rows(x: Any, rows: Sequence[int]) -> List[Any]:
             return v if v.dim() == 0 else v[bounds[i][0] : bounds[i][1]]
         if isinstance(v, Mapping):
             return _remap(v, {k: cut(w, i) for k, w in v.items()})
+        if len(rows) > 1 and _per_row_lookalike(v, b):
+            raise ValueError(
+                f"inputs: a {type(v).__name__} of {b} items without tensors sits beside tensors of {b} rows; "
+                f"bigbatch cuts only tensors, so it would reach every chunk whole (per-row values, e.g. "
+                f"lengths, would be wrong): pass per-row values as a tensor, or give split_input_fn")
         if isinstance(v, (list, tuple)):
             return _rebuild(v, [cut(w, i) for w in v])
         if _dataclass(v):

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .._autograd import refuse_create_graph
-from .budget import ChunkProber, MemoryArg, allocated_now, parse_memory, planning_budget
+from .budget import ChunkProber, MemoryArg, allocated_now, parse_memory, planning_budget, probe_cost
 from .cache import _BUDGET_FRACTION, _identity, check_options, default_budget
 from .chunking import batch_size, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, _autocast, backprop, encode, finalize_plan
@@ -146,9 +146,10 @@ def cached_encode(
     budget = parse_memory(memory_budget)
     sized_from_budget = chunk_size is None
     if sized_from_budget:
-        budget = budget or default_budget(device)
+        budget = budget or default_budget(device, "chunk_size")
         module = model.module if is_ddp(model) else model
-        cost = _PROBER.cost(module, bounded, get_rep, _autocast(device, autocast_dtype), autocast_dtype)
+        cost = probe_cost(_PROBER, module, bounded, get_rep, _autocast(device, autocast_dtype), autocast_dtype,
+                          custom_split=split_input_fn is not None)
         b = batch_size(inputs)
         cached = 0.0 if offload_reps else cost.cached(b)
         chunk_size = cost.largest_chunk(planning_budget(budget, _BUDGET_FRACTION, cached, allocated_now([device])), b)

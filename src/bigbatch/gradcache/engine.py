@@ -47,6 +47,7 @@ class Unit:
     rng: Optional[RngState] = None
     kept_rep: Optional[Tensor] = None
     buffers: Optional[Tuple[BufferStates, Dict[int, Tensor]]] = None  # the buffers its pass-1 forward saw
+    written: Optional["Written"] = None  # its input's version counters, checked again before the re-run
 
 
 @dataclass
@@ -156,12 +157,24 @@ class Written:
         self.tensors = [t for t in tensor_leaves(chunk) if not t.is_inference()]
         self.versions = [t._version for t in self.tensors]
 
+    def _changed(self) -> bool:
+        return any(t._version != v for t, v in zip(self.tensors, self.versions))
+
     def check(self, rerun: bool) -> None:
-        if rerun and any(t._version != v for t, v in zip(self.tensors, self.versions)):
+        if rerun and self._changed():
             raise RuntimeError(
                 "the encoder's forward modified its input in place (e.g. x.div_(255)); gradient caching "
                 "re-runs each chunk on its input, which would no longer be the same: use out-of-place "
                 "ops on the input (x = x / 255) or clone it inside forward")
+
+    def check_before_rerun(self) -> None:
+        """The input must still be what the first forward saw (a plain graph's saved tensors raise
+        the same way when modified before the backward)."""
+        if self._changed():
+            raise RuntimeError(
+                "an input of the encoder was modified in place after its cached forward and before the "
+                "backward (e.g. ids[:, 0] = mask_id for another pass); the re-run would encode the new "
+                "values: modify a clone of the input instead")
 
 
 def _first_run(u: Unit, chunk: Any, opts: EngineOptions, devices: List[int], mirror: bool) -> Tensor:
@@ -213,6 +226,7 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
                 written.check(u.rerun and not u.keep)
                 if not u.keep:
                     u.buffers = (states, record["record"])
+                    u.written = written
                 per_input[i].append(rep.to("cpu", non_blocking=False) if opts.offload_reps else rep)
     out = []
     for i, reps in enumerate(per_input):
@@ -304,6 +318,8 @@ def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tens
         for n, (k, chunk) in enumerate(zip(rerun, staged([units[k].chunk for k in rerun], device, opts.offload_inputs))):
             u = units[k]
             sync = n == len(rerun) - 1 or opts.ddp_sync == "every_chunk"
+            if u.written is not None:
+                u.written.check_before_rerun()
             with sync_context(u.model, sync=sync)():
                 states, record = u.buffers
                 with restoring(states, record, [u.model]), torch.enable_grad(), u.rng.replay():

@@ -118,6 +118,7 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
                     f"the representations passed to the closure of {func.__name__} have no .grad: call it after "
                     "the loss's backward, with the tensors the decorated call returned"
                 )
+            written.check_before_rerun()
             with buffers_restored(modules), restoring(states, record, modules):
                 with torch.enable_grad(), rng.replay(), _AutocastReplay(amp):
                     again = _as_tuple(func(*args, **kwargs), func.__name__)
