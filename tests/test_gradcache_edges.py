@@ -657,3 +657,30 @@ def test_cached_encode_chunk_size_accepts_numpy_ints_and_names_its_argument():
     cached_encode(model, x, chunk_size=np.int64(4)).sum().backward()
     with pytest.raises(ValueError, match=r"chunk_size=None needs a memory_budget on cpu.*pass chunk_size=<rows"):
         cached_encode(model, x)
+
+
+def test_sentence_transformer_style_dict_model_gets_a_hint():
+    """A model whose forward takes the feature dict as ONE argument (SentenceTransformer) fails on
+    model(**dict); the error says to wrap the input as [inputs]."""
+
+    class TakesDict(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3).to(F64)
+
+        def forward(self, input, **kwargs):
+            return self.lin(input["x"])
+
+    model, feats = TakesDict(), {"x": torch.randn(6, 4, dtype=F64)}
+    with pytest.raises(TypeError, match=r"required argument\(s\) \['input'\].*wrapped as \[inputs\]"):
+        cached_encode(model, feats, chunk_size=2)
+    cached_encode(model, [feats], chunk_size=2).sum().backward()
+    assert model.lin.weight.grad is not None
+
+
+def test_second_backward_through_cached_encode_says_what_to_do():
+    model, x = nn.Linear(4, 3).to(F64), torch.randn(6, 4, dtype=F64)
+    rep = cached_encode(model, x, chunk_size=2)
+    rep.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"backward ran twice.*back-propagate the sum of the losses once"):
+        (rep ** 2).sum().backward()

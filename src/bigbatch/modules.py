@@ -156,7 +156,9 @@ class SigLipLoss(_GroupLoss):
     the additive bias (``None``: 0). ``labels`` (keyword) are optional (B,) class ids: equal ids are
     positive pairs. ``group`` (or OpenCLIP's ``rank``/``world_size`` of the initialised default
     group) makes the loss global over the ranks' shards (a memory-bounded ring instead of OpenCLIP's
-    neighbour exchange); the value per rank follows OpenCLIP's convention. OpenCLIP's exchange
+    neighbour exchange). Every rank returns the global loss (OpenCLIP's ranks return their own
+    shares, whose mean it is) and back-propagates its share: gradients averaged over ranks (DDP)
+    are the single-process ones. OpenCLIP's exchange
     variants (``dist_impl``, ``bidir``) all compute this same loss; ``use_horovod=True`` is refused.
     """
 

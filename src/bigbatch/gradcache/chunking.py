@@ -13,6 +13,7 @@ views, never copies.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import numbers
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, List, Optional, Sequence
@@ -206,12 +207,33 @@ def call_model(model: nn.Module, x: Any) -> Any:
     if isinstance(x, Tensor):
         return model(x)
     if isinstance(x, Mapping):
-        return model(**x)
+        try:
+            return model(**x)
+        except TypeError as exc:
+            missing = _required_not_in(model, x)
+            if not missing:
+                raise
+            raise TypeError(
+                f"{exc} -- bigbatch calls a model on a dict input as model(**inputs), and the dict has no "
+                f"entry for this model's required argument(s) {missing}: a model that takes the dict as one "
+                f"argument (a SentenceTransformer) needs the input wrapped as [inputs]") from exc
     if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], list) and isinstance(x[1], Mapping):
         return model(*x[0], **x[1])
     if isinstance(x, (list, tuple)):
         return model(*x)
     return model(x)
+
+
+def _required_not_in(model: nn.Module, x: Mapping) -> List[str]:
+    """The required arguments of ``model``'s forward that ``x`` has no key for (a call
+    ``model(**x)`` cannot fill them)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    required = [p.name for p in params if p.default is inspect.Parameter.empty
+                and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    return [n for n in required if n not in x]
 
 
 def model_device(model: nn.Module) -> torch.device:

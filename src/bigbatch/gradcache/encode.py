@@ -56,7 +56,9 @@ class _CachedEncode(torch.autograd.Function):
         units, opts = ctx.units, ctx.opts
         ctx.units = None  # a second backward through this node is an error (its graphs are spent)
         if units is None:
-            raise RuntimeError("cached_encode: backward ran twice through the same representations")
+            raise RuntimeError("cached_encode: backward ran twice through the same representations (e.g. "
+                               "l1.backward(retain_graph=True); l2.backward()): its chunks are re-run once, in "
+                               "the first backward; back-propagate the sum of the losses once (l1 + l2)")
         targets = _targets(ctx.params)
         if targets is not None:
             opts = replace(opts, grad_targets=targets + ctx.boundaries)
