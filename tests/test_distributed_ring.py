@@ -464,3 +464,19 @@ def test_every_rank_returns_the_global_loss_and_sees_a_nan(world):
             assert all(v != v for v in values), (name, backend, values)
         else:
             assert all(abs(v - want[name]) <= 1e-12 * abs(want[name]) for v in values), (name, backend, values, want[name])
+
+
+def _global_value_inf(rank: int, world: int):
+    from bigbatch.distributed.ring import Ring, global_value
+
+    local = torch.tensor([float("inf"), 2.0][rank], dtype=torch.float64, requires_grad=True)
+    value = global_value(Ring.of(dist.group.WORLD), local * 3)
+    value.backward()
+    return value.item(), local.grad.item()
+
+
+def test_global_value_keeps_an_infinite_loss_and_the_share_gradient():
+    """value = the mean over ranks (inf if any rank's share is inf, on every rank: inf - inf
+    would have made it NaN on the inf rank only), gradient = the rank's own share's."""
+    (v0, g0), (v1, g1) = run_gloo(_global_value_inf, 2, timeout=120.0)
+    assert v0 == v1 == float("inf") and g0 == g1 == 3.0

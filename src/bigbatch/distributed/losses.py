@@ -98,6 +98,7 @@ def _agree(ring: Ring, q: Tensor, k: Tensor, scale: Tensor, *, kind: str, reduct
         same=("kind", "reduction", "path", "needs_backward", "dim", "dtype", "scale"),
         local_error=local_error,
         what=f"{kind}_loss(group=...)",
+        p2p=not isinstance(path, str),  # the ring; "reference" gathers
     )
     if "path" in table and len(set(table["path"])) > 1:  # pragma: no cover - agree() checks it
         raise ValueError("backend must be 'reference' on all ranks or a tile backend on all ranks")

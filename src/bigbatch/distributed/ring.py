@@ -136,7 +136,20 @@ def global_value(ring: "Ring", local: Tensor) -> Tensor:
         return local
     total = local.detach().clone()
     dist.all_reduce(total, group=ring.group)
-    return total.div_(ring.world) + (local - local.detach())
+    return _ValueOf.apply(local, total.div_(ring.world))
+
+
+class _ValueOf(torch.autograd.Function):
+    """``value``'s value with ``local``'s gradient (the identity backward). Unlike
+    ``value + (local - local.detach())`` it keeps an infinite value (inf - inf would be NaN)."""
+
+    @staticmethod
+    def forward(ctx, local: Tensor, value: Tensor) -> Tensor:  # type: ignore[override]
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        return grad, None
 
 
 def offsets(sizes: Sequence[int]) -> List[int]:
@@ -147,15 +160,17 @@ def offsets(sizes: Sequence[int]) -> List[int]:
     return out
 
 
-def _group_device(backend: str, device: torch.device):
+def _group_device(backend: str, device: torch.device, p2p: bool):
     """(problem or None, device for the metadata exchange) for features on ``device`` and a group
-    of ``backend``. gloo moves only CPU tensors through all_gather and send/recv, NCCL only CUDA
-    tensors: the mismatch is reported as a local error (raised on every rank) and the exchange
-    runs on a device the group can move, instead of failing inside the transport."""
-    if backend == "gloo" and device.type != "cpu":
-        return (f"the features are on {device} but the process group's backend is gloo, which moves only "
-                f"CPU tensors for these collectives: use an NCCL group for CUDA features (or CPU features)"), \
-            torch.device("cpu")
+    of ``backend``. gloo's send/recv (the ring, ``p2p``) take only CPU tensors, NCCL only CUDA
+    tensors: a mismatch is reported as a local error (raised on every rank) instead of failing
+    inside the transport. gloo's metadata exchange always runs on the CPU (any feature device)."""
+    if backend == "gloo":
+        if device.type != "cpu" and p2p:
+            return (f"the features are on {device} but the process group's backend is gloo, whose send/recv "
+                    f"(the ring) moves only CPU tensors: use an NCCL group for CUDA features, CPU features, "
+                    f"or backend='reference' (gather, no send/recv)"), torch.device("cpu")
+        return None, torch.device("cpu")
     if backend == "nccl" and device.type != "cuda":
         return (f"the features are on {device} but the process group's backend is nccl, which moves only "
                 f"CUDA tensors: use a gloo group for CPU features (or CUDA features)"), \
@@ -171,6 +186,7 @@ def agree(
     same: Sequence[str] = (),
     local_error: Optional[str] = None,
     what: str = "loss",
+    p2p: bool = False,
 ) -> Dict[str, List[float]]:
     """Exchange ``fields`` (numbers: sizes, D, dtype code, a scale...) among the ring's ranks.
 
@@ -180,10 +196,11 @@ def agree(
     Cost: one all_gather of ``len(fields) + 1`` float64 values per rank and one host sync;
     a second, object all_gather only on the error path (to show every rank's message).
     All ranks of the group must call this with the same field names, in the same order.
+    ``p2p``: the caller goes on to send/recv (the ring), which a gloo group does only with CPU tensors.
     """
     names = list(fields)
     if ring.world > 1:
-        problem, device = _group_device(dist.get_backend(ring.group), device)
+        problem, device = _group_device(dist.get_backend(ring.group), device, p2p)
         local_error = local_error or problem
     local = torch.tensor(
         [float(fields[n]) for n in names] + [1.0 if local_error else 0.0], dtype=torch.float64, device=device

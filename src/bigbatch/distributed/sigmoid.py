@@ -325,7 +325,7 @@ def ring_siglip_loss(
     backend="auto",
     chunk_rows: Optional[int] = None,
 ) -> Tensor:
-    """This rank's share of the global sigmoid loss (see the module docstring for the convention).
+    """The global sigmoid loss on every rank, back-propagating this rank's share (see the module docstring).
 
     Every rank of ``group`` must call it (a collective). Invalid input on any rank raises the same
     ``ValueError`` on every rank instead of leaving the others waiting. ``chunk_rows`` (a positive
@@ -369,6 +369,7 @@ def ring_siglip_loss(
         same=("needs_grad", "dim", "dtype", "labels", "scale", "bias", "chunk_rows", "backend_config"),
         local_error=error,
         what="siglip_loss",
+        p2p=True,
     )
     sizes = [int(v) for v in table["rows"]]
     norm = ring.world / sum(sizes)

@@ -5,8 +5,8 @@ mapping (``dict``, ``UserDict``, Hugging Face ``BatchEncoding``: the chunk keeps
 list or tuple (type kept), a dataclass instance (a copy with every field cut, ``__init__`` not
 run again; called as ``model(chunk)``), or luyug-GradCache style ``(args_list, kwargs_dict)``. Other objects are opaque:
 they need a ``split_input_fn``, and tensors inside them are not seen (no input gradients). Non-tensor
-leaves and 0-d tensors are repeated in every chunk, except a sized non-tensor leaf of exactly B items
-(a list of lengths, a numpy array): it may hold per-row values, so it is an error. Splitting makes
+leaves and 0-d tensors are repeated in every chunk, except a list without tensors or a numpy array of
+exactly B items (lengths, weights): it may hold per-row values, so it is an error. Splitting makes
 views, never copies.
 """
 
@@ -137,11 +137,12 @@ def split_chunks(x: Any, chunk: int, *, split_input_fn: Optional[Callable[[Any, 
 
 
 def _per_row_lookalike(v: Any, b: int) -> bool:
-    """A sized non-tensor leaf (a list of ints or strings, a numpy array) of exactly ``b`` items:
-    it cannot be told from per-row values, which repeating in every chunk would get wrong."""
-    if isinstance(v, (str, bytes, Tensor, Mapping)) or _dataclass(v) or not hasattr(v, "__len__"):
+    """A list without tensors or a numpy-like array of exactly ``b`` items: it cannot be told from
+    per-row values, which repeating in every chunk would get wrong. (Tuples are settings such as
+    ``size=(224, 224)`` or a ``torch.Size``, and are repeated.)"""
+    if isinstance(v, (str, bytes, tuple, Tensor, Mapping)) or _dataclass(v) or not hasattr(v, "__len__"):
         return False
-    if isinstance(v, (list, tuple)) and tensor_leaves(v):
+    if isinstance(v, list) and tensor_leaves(v):
         return False
     try:
         return len(v) == b
