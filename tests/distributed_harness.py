@@ -52,21 +52,9 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, ar
 def run_gloo(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0) -> List[Any]:
     """Per-rank results of ``fn(rank, world_size, *args)`` run under a gloo group."""
     with tempfile.TemporaryDirectory() as outdir:
-        # gloo moves CPU tensors, so a worker's Triton kernels (if any) must run under the interpreter,
-        # also on a GPU machine; spawned workers copy the environment when they start, before any
-        # kernel is decorated.
-        saved = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            ctx = mp.start_processes(
-                _worker, args=(world_size, _free_port(), outdir, fn, args), nprocs=world_size, join=False,
-                start_method="spawn"
-            )
-        finally:
-            if saved is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = saved
+        ctx = mp.start_processes(
+            _worker, args=(world_size, _free_port(), outdir, fn, args), nprocs=world_size, join=False, start_method="spawn"
+        )
         # ctx.join returns False as soon as ONE process exits while others still run, so
         # loop until all have exited or the deadline passes.
         deadline = time.monotonic() + timeout

@@ -17,9 +17,13 @@ import torch.distributed as dist
 
 from distributed_harness import run_gloo
 
+# gloo moves CPU tensors, so the gloo rings run the Triton backend under the interpreter, which only
+# CPU-only machines use (a GPU machine tests it on the NCCL ring below; its Triton may lack a working
+# interpreter, as 3.6's with numpy 2 does).
 HAS_TRITON_BACKEND = (
     importlib.util.find_spec("triton") is not None
     and importlib.util.find_spec("bigbatch.backends.triton_softmax") is not None
+    and not torch.cuda.is_available()
 )
 
 

@@ -145,7 +145,10 @@ CASES = {
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_matches_single_process(world):
-    cases = CASES[world]
+    # gloo moves CPU tensors: Triton cases run under the interpreter, on CPU-only machines only (on a
+    # GPU machine the kernels are tested in test_siglip_triton.py; Triton 3.6's interpreter fails
+    # with numpy 2)
+    cases = [c for c in CASES[world] if c[2] != "triton" or not torch.cuda.is_available()]
     per_rank = run_gloo(_worker, world, [c[:4] + c[5:] for c in cases])
     for i, (sizes, with_labels, _, _, tol, _) in enumerate(cases):
         _check([r[i] for r in per_rank], sizes, with_labels, tol)

@@ -108,8 +108,9 @@ def test_lse_grad(dtype, which):
     # grad_dtype=float32 (the ring's partial sums) gives the unrounded accumulators.
     dq32, dk32, _ = be.lse_grad(q, k, s, lr, lc, g_row, g_col, grad_dtype=torch.float32)
     assert dq32.dtype == dk32.dtype == torch.float32
-    assert_rel(dq32, ref_dq, 1e-5, "dq fp32")
-    assert_rel(dk32, ref_dk, 1e-5, "dk fp32")
+    tol32 = 1e-5 if DEVICE == "cpu" or dtype == torch.float32 else tol  # GPU: half dS in the products
+    assert_rel(dq32, ref_dq, tol32, "dq fp32")
+    assert_rel(dk32, ref_dk, tol32, "dk fp32")
 
 
 @pytest.mark.parametrize(
