@@ -66,14 +66,18 @@ def test_local_error_on_one_rank_raises_on_every_rank():
 
 def _double_backward(rank: int, world: int):
     out = []
-    for loss in ("clip", "infonce", "siglip"):
+    # (the gather path, backend="reference", too: its all_reduce has no derivative, and the
+    # second-order terms through it were silently missing)
+    for loss, backend in (("clip", "auto"), ("infonce", "auto"), ("siglip", "auto"), ("clip", "reference"),
+                          ("infonce", "reference")):
         torch.manual_seed(rank)
         q = torch.randn(4 + rank, 3, requires_grad=True)
         k = torch.randn(4 + rank, 3, requires_grad=True)
         if loss == "siglip":
-            value = bigbatch.siglip_loss(q, k, 2.0, -1.0, group=dist.group.WORLD)
+            value = bigbatch.siglip_loss(q, k, 2.0, -1.0, group=dist.group.WORLD, backend=backend)
         else:
-            value = (bigbatch.clip_loss if loss == "clip" else bigbatch.infonce_loss)(q, k, 2.0, group=dist.group.WORLD)
+            value = (bigbatch.clip_loss if loss == "clip" else bigbatch.infonce_loss)(
+                q, k, 2.0, group=dist.group.WORLD, backend=backend)
         try:
             torch.autograd.grad(value, q, create_graph=True)
             out.append("no error")

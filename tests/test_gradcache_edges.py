@@ -603,7 +603,7 @@ def _clip(a, b):
     return bigbatch.clip_loss(a, b, 2.0)
 
 
-@pytest.mark.parametrize("lengths", [[1, 2, 3, 4, 5, 6], np.arange(1, 7)], ids=["list", "numpy"])
+@pytest.mark.parametrize("lengths", [[1, 2, 3, 4, 5, 6], (1, 2, 3, 4, 5, 6), np.arange(1, 7)], ids=["list", "tuple", "numpy"])
 def test_non_tensor_entry_of_b_items_is_refused_when_split(lengths):
     """bigbatch cuts only tensors: a per-row list / numpy array beside them would reach every chunk
     whole (the loss of a 6-row batch in chunks of 2 was 2.07 instead of 2.96, silently)."""
@@ -616,8 +616,9 @@ def test_non_tensor_entry_of_b_items_is_refused_when_split(lengths):
     # one chunk (nothing is cut) is exact, and other non-tensor entries still reach every chunk
     cached_encode(model, inputs, chunk_size=6).sum().backward()
     cached_encode(model, {"x": x[:2], "lengths": [3], "tag": "ab"}, chunk_size=1).sum().backward()
-    # a tuple (a setting such as size=(224, 224), a torch.Size) of B items is repeated, not refused
+    # a shape-like tuple (size=(224, 224)) or a torch.Size of B items is a setting: repeated, not refused
     cached_encode(model, {"x": x[:2], "lengths": [3], "tag": (7, 7)}, chunk_size=1).sum().backward()
+    cached_encode(model, {"x": x[:2], "lengths": [3], "tag": torch.Size([7, 7])}, chunk_size=1).sum().backward()
 
 
 def test_input_modified_between_cached_forward_and_backward_is_an_error():

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .ring import Ring
 from .._amp import autocast_off
+from .._autograd import refuse_create_graph
 
 
 def all_gather_rows(x: Tensor, ring: Ring, sizes: Sequence[int]) -> List[Tensor]:
@@ -51,6 +52,9 @@ class _GatherWithGrad(torch.autograd.Function):
     @autocast_off
     def backward(ctx, *grads: Tensor):
         ring, sizes = ctx.ring, ctx.sizes
+        if ring.world > 1:  # all_reduce has no derivative: second-order terms would be missing
+            refuse_create_graph("the distributed backend='reference' path (gather-with-grad)",
+                                "compute second derivatives of a loss on one process with backend='reference'")
         local, gathered = list(grads[: len(sizes)]), [g.contiguous() for g in grads[len(sizes):]]
         if ring.world > 1 and gathered:  # one flat buffer: one collective (the inputs' dtypes may differ)
             dtype = functools.reduce(torch.promote_types, [g.dtype for g in gathered])

@@ -5,9 +5,9 @@ mapping (``dict``, ``UserDict``, Hugging Face ``BatchEncoding``: the chunk keeps
 list or tuple (type kept), a dataclass instance (a copy with every field cut, ``__init__`` not
 run again; called as ``model(chunk)``), or luyug-GradCache style ``(args_list, kwargs_dict)``. Other objects are opaque:
 they need a ``split_input_fn``, and tensors inside them are not seen (no input gradients). Non-tensor
-leaves and 0-d tensors are repeated in every chunk, except a list without tensors or a numpy array of
-exactly B items (lengths, weights): it may hold per-row values, so it is an error. Splitting makes
-views, never copies.
+leaves and 0-d tensors are repeated in every chunk, except a list or tuple without tensors or a numpy
+array of exactly B items (lengths, weights; not a ``torch.Size`` or a shape-like tuple of up to 4
+ints): it may hold per-row values, so it is an error. Splitting makes views, never copies.
 """
 
 from __future__ import annotations
@@ -137,12 +137,14 @@ def split_chunks(x: Any, chunk: int, *, split_input_fn: Optional[Callable[[Any, 
 
 
 def _per_row_lookalike(v: Any, b: int) -> bool:
-    """A list without tensors or a numpy-like array of exactly ``b`` items: it cannot be told from
-    per-row values, which repeating in every chunk would get wrong. (Tuples are settings such as
-    ``size=(224, 224)`` or a ``torch.Size``, and are repeated.)"""
-    if isinstance(v, (str, bytes, tuple, Tensor, Mapping)) or _dataclass(v) or not hasattr(v, "__len__"):
+    """A list or tuple without tensors or a numpy-like array of exactly ``b`` items: it cannot be
+    told from per-row values, which repeating in every chunk would get wrong. A ``torch.Size`` and
+    a short tuple of ints (up to 4: ``size=(224, 224)``, a shape) are settings, repeated."""
+    if isinstance(v, (str, bytes, torch.Size, Tensor, Mapping)) or _dataclass(v) or not hasattr(v, "__len__"):
         return False
-    if isinstance(v, list) and tensor_leaves(v):
+    if isinstance(v, (list, tuple)) and tensor_leaves(v):
+        return False
+    if isinstance(v, tuple) and len(v) <= 4 and all(isinstance(i, int) for i in v):
         return False
     try:
         return len(v) == b
