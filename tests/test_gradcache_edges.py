@@ -687,3 +687,24 @@ def test_second_backward_through_cached_encode_says_what_to_do():
     rep.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match=r"backward ran twice.*back-propagate the sum of the losses once"):
         (rep ** 2).sum().backward()
+
+
+def test_loss_fn_may_modify_its_representations_in_place():
+    """A plain step hands loss_fn the encoders' outputs, which it may scale in place; GradCache used
+    to hand it leaves, where in-place ops are an error."""
+    import bigbatch
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).to(F64)
+    x, y = torch.randn(6, 4, dtype=F64), torch.randn(6, 4, dtype=F64)
+
+    def loss_fn(a, b):
+        a.mul_(2.0)
+        return bigbatch.clip_loss(a, b, 2.0)
+
+    loss_fn(model(x), model(y)).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    GradCache(model, chunk_sizes=4, loss_fn=loss_fn)(x, y)
+    for g, w in zip((p.grad for p in model.parameters()), want):
+        assert_rel(g, w, 1e-12)

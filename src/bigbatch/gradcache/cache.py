@@ -304,7 +304,9 @@ class GradCache:
             device = leaves[0].device
             amp = torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast_dtype else _null()
             with torch.enable_grad(), amp:
-                loss = self.loss_fn(*leaves, **loss_kwargs)
+                # loss_fn gets non-leaf copies (B x D each), as a plain step gets the encoders' outputs:
+                # in-place ops on them (a.mul_(2)) are allowed there, and on a leaf they are an error
+                loss = self.loss_fn(*[leaf.clone() if leaf.requires_grad else leaf for leaf in leaves], **loss_kwargs)
             if not isinstance(loss, Tensor) or loss.numel() != 1:
                 raise ValueError("loss_fn must return a scalar tensor")
             if not loss.requires_grad:
