@@ -146,3 +146,77 @@ def test_ddp_two_ranks_equals_full_batch_one_allreduce_per_step():
         if fsdp_error is None or fsdp_error.startswith("unavailable"):
             pytest.fail(f"could not build an FSDP model to check the refusal: {fsdp_error}")
         assert "FSDP" in fsdp_error and "DistributedDataParallel" in fsdp_error
+
+
+def _uneven_worker(rank: int, world: int):
+    """Two DDP encoders, local batches of 4 and 8 rows, chunks of 4: rank 0 runs one chunk per
+    input, rank 1 two. Three steps (DDP rebuilds its buckets, a collective, in the second)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bigbatch
+
+    class Wrap(nn.Module):  # a per-input wrapper around a shared DDP model
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    x, y = _data(world)
+    rows = [4, 8][rank]
+    start = [0, 4][rank]
+    xs, ys = x[start:start + rows], y[start:start + rows]
+    out = {}
+    for layout in ("two_models", "wrapped_shared"):
+        torch.manual_seed(0)
+        q = DDP(nn.Sequential(nn.Linear(D_IN, 8), nn.Tanh(), nn.Linear(8, 4)).double(), bucket_cap_mb=1000)
+        if layout == "two_models":
+            torch.manual_seed(1)
+            p = DDP(nn.Sequential(nn.Linear(D_IN, 8), nn.Tanh(), nn.Linear(8, 4)).double(), bucket_cap_mb=1000)
+            models, ddps = [q, p], [q, p]
+        else:
+            models, ddps = [Wrap(q), Wrap(q)], [q]
+        calls = [0]
+
+        def hook(state, bucket, calls=calls):
+            calls[0] += 1
+            return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0] / world)
+
+        for d in ddps:
+            d.register_comm_hook(None, hook)
+        gc = bigbatch.GradCache(models, chunk_sizes=4,
+                                loss_fn=lambda a, b: bigbatch.clip_loss(a, b, 4.0, group=dist.group.WORLD))
+        for _ in range(3):
+            for d in ddps:
+                d.zero_grad(set_to_none=True)
+            calls[0] = 0
+            gc(xs, ys)
+        out[layout] = ([t.grad.clone() for d in ddps for t in d.parameters()], calls[0])
+    return out
+
+
+def test_uneven_batches_and_wrapped_ddp_models_do_not_hang():
+    """A kept pass-1 graph ran a forward with grad before the loss's collectives on the rank that
+    had two chunks only, so DDP's bucket rebuild (a collective) came in a different order on the
+    two ranks: the second step hung. And a DDP model inside a per-input wrapper ran no chunk under
+    no_sync: one all-reduce per chunk, a different number per rank with uneven batches."""
+    results = run_gloo(_uneven_worker, 2, timeout=180.0)
+    x, y = _data(2)
+    for layout in ("two_models", "wrapped_shared"):
+        import bigbatch
+
+        torch.manual_seed(0)
+        q = nn.Sequential(nn.Linear(D_IN, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+        torch.manual_seed(1)
+        p = nn.Sequential(nn.Linear(D_IN, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+        models = [q, p] if layout == "two_models" else [q]
+        # the global batch is the ranks' shards in order (4 + 8 rows); DDP averages over 2 ranks,
+        # and the ring's per-rank loss is 2 x its share: the averaged gradient is the global one
+        bigbatch.clip_loss(q(x[:12]), (p if layout == "two_models" else q)(y[:12]), 4.0).backward()
+        want = [t.grad for m in models for t in m.parameters()]
+        for grads, calls in (r[layout] for r in results):
+            assert calls == 2  # one per model: two DDP models, or two wrappers of one (not one per chunk)
+            for g, w in zip(grads, want):
+                assert (g - w).norm() <= 1e-10 * w.norm(), layout

@@ -287,7 +287,7 @@ class GradCache:
                 units.append(Unit(i, m, chunk, chunk_rows(chunk, self.split_input_fn is not None, f"a chunk of inputs[{i}]"),
                                   rerun=trainable[i]))
         self._plan_keep(units, costs, usable, trainable)
-        finalize_plan(units, ddp_sync)
+        finalize_plan(units)
         self.last_chunk_sizes, self.last_kept = sizes, sum(u.keep for u in units)
         opts = EngineOptions(self.get_rep_fn or _identity, self.autocast_dtype, self.offload_inputs, self.offload_reps, ddp_sync)
         try:

@@ -171,7 +171,7 @@ def cached_encode(
         # the model does not register): its chunks are re-run in the backward like any others
     else:
         units[-1].keep = keep_last_graph
-        finalize_plan(units, ddp_sync)
+        finalize_plan(units)
         # pass 1 runs before the node is made, so the node lists the parameters as the first forward
         # left them (a lazy module's are materialised by then; backward(inputs=...) can name them)
         with torch.no_grad():

@@ -13,9 +13,11 @@ gradient w.r.t. each representation row was computed on the whole batch.
 
 DDP (``ddp_sync="last_chunk"``): every forward that builds a graph runs under ``no_sync``
 except the model's last re-run chunk, whose backward all-reduces the accumulated gradients
-once. DDP arms its gradient hooks in a synced forward, so a kept chunk (whose forward precedes
-other chunks' backwards) always runs under ``no_sync``; if that would leave a DDP model without
-a re-run chunk, its last chunk is not kept. Memory: one chunk's activations, plus kept graphs.
+once. A model holding a DDP module (itself or inside a wrapper) keeps no pass-1 graph: DDP
+rebuilds its buckets, a collective, in its first forward with grad after its first synced
+backward; a kept chunk's forward runs with grad in pass 1, before the loss's collectives, so
+ranks that keep differently (uneven batches, other chunk sizes) would issue their collectives
+in different orders and hang. Memory: one chunk's activations, plus kept graphs.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from .accumulate import GradAccumulation
 from .buffers import BufferStates, buffers_restored, recording, restoring
 from .chunking import call_model, model_device, staged, tensor_leaves
 from .rng import RngState, cuda_devices_of, model_cuda_devices
-from .wrappers import is_ddp, sync_context
+from .wrappers import ddp_modules, sync_context
 
 
 @dataclass
@@ -122,19 +124,11 @@ def _distinct(models: Sequence[nn.Module]) -> List[nn.Module]:
     return list(out.values())
 
 
-def finalize_plan(units: Sequence[Unit], ddp_sync: str) -> None:
-    """Apply the DDP rules above to the ``keep`` flags (in place)."""
-    by_model: Dict[int, List[Unit]] = {}
+def finalize_plan(units: Sequence[Unit]) -> None:
+    """Apply the DDP rule above to the ``keep`` flags (in place): no kept graph in a DDP model."""
     for u in units:
-        by_model.setdefault(id(u.model), []).append(u)
-    for group in by_model.values():
-        if not is_ddp(group[0].model):
-            continue
-        if ddp_sync == "every_chunk":
-            for u in group:
-                u.keep = False
-        elif all(u.keep for u in group):
-            group[-1].keep = False
+        if ddp_modules(u.model):
+            u.keep = False
 
 
 def grad_mode_dependent(model: nn.Module) -> bool:

@@ -4,7 +4,7 @@ FSDP (refused, with the reason)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Sequence
+from typing import Callable, ContextManager, List, Sequence
 
 import torch
 from torch import nn
@@ -26,6 +26,12 @@ _FSDP_WHY = (
 
 def is_ddp(model: nn.Module) -> bool:
     return isinstance(model, DistributedDataParallel)
+
+
+def ddp_modules(model: nn.Module) -> List[DistributedDataParallel]:
+    """The DDP modules in ``model``: itself, or inside a wrapper (a per-input module around a
+    shared DDP model)."""
+    return [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
 
 
 def warn_user(message: str) -> None:
@@ -90,8 +96,16 @@ def check_not_fsdp(model: nn.Module) -> None:
 
 
 def sync_context(model: nn.Module, sync: bool) -> Callable[[], ContextManager]:
-    """A context factory: ``model.no_sync`` for a DDP model whose gradients must not be
-    all-reduced in this backward, else a null context."""
-    if is_ddp(model) and not sync:
-        return model.no_sync
-    return contextlib.nullcontext
+    """A context factory: ``no_sync`` of every DDP module in ``model`` (itself or inside a wrapper)
+    whose gradients must not be all-reduced in this backward, else a null context."""
+    ddps = [] if sync else ddp_modules(model)
+    if not ddps:
+        return contextlib.nullcontext
+
+    def no_sync() -> ContextManager:
+        stack = contextlib.ExitStack()
+        for d in ddps:
+            stack.enter_context(d.no_sync())
+        return stack
+
+    return no_sync
