@@ -220,3 +220,54 @@ def test_uneven_batches_and_wrapped_ddp_models_do_not_hang():
             assert calls == 2  # one per model: two DDP models, or two wrappers of one (not one per chunk)
             for g, w in zip(grads, want):
                 assert (g - w).norm() <= 1e-10 * w.norm(), layout
+
+
+class _ClipWithScale(nn.Module):  # a CLIP-style model: the loss's logit_scale lives in the DDP module
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Sequential(nn.Linear(D_IN, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+        self.logit_scale = nn.Parameter(torch.tensor(1.3, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.enc(x)
+
+
+def _loss_param_worker(rank: int, world: int):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bigbatch
+
+    x, y = _data(world)
+    xs, ys = x[rank * B_LOCAL:(rank + 1) * B_LOCAL], y[rank * B_LOCAL:(rank + 1) * B_LOCAL]
+    out = {}
+    for find_unused in (False, True):
+        m = DDP(_ClipWithScale(), find_unused_parameters=find_unused)
+        gc = bigbatch.GradCache(m, chunk_sizes=2, loss_fn=lambda q, p: bigbatch.clip_loss(
+            q, p, m.module.logit_scale.exp(), group=dist.group.WORLD))
+        try:
+            gc(xs, ys)
+            out[find_unused] = [p.grad.clone() for p in m.module.parameters()]
+        except ValueError as exc:
+            out[find_unused] = str(exc)
+        dist.barrier()
+    return out
+
+
+def test_loss_parameter_inside_a_ddp_encoder():
+    """DDP arms its reducer for the synced re-run forward's parameters only: a logit_scale inside
+    the DDP module was never all-reduced (step 1 unsynchronised, nothing reduced at all with one
+    bucket; step 2 raised DDP's error). Refused with the fix named; exact with
+    find_unused_parameters=True."""
+    import bigbatch
+
+    results = run_gloo(_loss_param_worker, 2, timeout=120.0)
+    for r in results:
+        assert "uses parameters of a DDP-wrapped encoder (logit_scale)" in r[False], r[False]
+    ref = _ClipWithScale()
+    x, y = _data(2)
+    bigbatch.clip_loss(ref(x), ref(y), ref.logit_scale.exp()).backward()
+    for r in results:
+        for g, p in zip(r[True], ref.parameters()):
+            assert (g - p.grad).norm() <= 1e-10 * p.grad.norm()

@@ -27,7 +27,8 @@ from .budget import ChunkProber, MemoryArg, allocated_now, parse_memory, plannin
 from .chunking import batch_size, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, backprop, encode, finalize_plan
 from .inputs import backward_into_originals, inputs_require_grad, with_boundaries
-from .wrappers import DDP_SYNC_MODES, check_not_fsdp, check_not_parametrize_cached, is_ddp, warn_user
+from .wrappers import (DDP_SYNC_MODES, check_loss_params_outside_ddp, check_not_fsdp, check_not_parametrize_cached,
+                       is_ddp, warn_user)
 
 _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 # Chunk sizes and kept graphs are planned against 95% of the budget (the 5%: allocator rounding and
@@ -312,6 +313,7 @@ class GradCache:
             if not loss.requires_grad:
                 raise ValueError("loss_fn's result has no grad_fn: it does not depend on the representations of "
                                  "a trainable encoder, and the loss has no parameter that requires grad")
+            check_loss_params_outside_ddp(loss, models)
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             sent, graphs = backprop(units, [leaf.grad for leaf in leaves], opts)
             if sent and not graphs:  # a plain step would train the loss's own parameters only, or fail

@@ -95,6 +95,34 @@ def check_not_fsdp(model: nn.Module) -> None:
             raise NotImplementedError(_FSDP_WHY.format(name=type(m).__name__))
 
 
+def check_loss_params_outside_ddp(loss: torch.Tensor, models: Sequence[nn.Module]) -> None:
+    """Raise if the loss graph reaches a parameter of a DDP module built with
+    ``find_unused_parameters=False`` (a CLIP ``logit_scale`` inside ``DDP(model)``): DDP arms its
+    reducer for the parameters of the synced re-run forward only, so such a parameter would never
+    be all-reduced (an unsynchronised step, then DDP's own error). Walks the loss's graph (small:
+    the loss's ops and leaves); only with such a DDP module."""
+    ddps = [d for m in models for d in ddp_modules(m) if not getattr(d, "find_unused_parameters", False)]
+    if not ddps or loss.grad_fn is None:
+        return
+    owned = {id(p): name for d in ddps for name, p in d.module.named_parameters()}
+    found, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)
+        if var is not None and id(var) in owned:
+            found.append(owned[id(var)])
+        stack.extend(f for f, _ in fn.next_functions)
+    if found:
+        raise ValueError(
+            f"loss_fn uses parameters of a DDP-wrapped encoder ({', '.join(sorted(set(found)))}) built with "
+            "find_unused_parameters=False: DDP all-reduces only the parameters of a chunk's synced re-run "
+            "forward, so these would never be synchronised. Build that DDP module with "
+            "find_unused_parameters=True, or keep these parameters outside it (a module of their own)")
+
+
 def sync_context(model: nn.Module, sync: bool) -> Callable[[], ContextManager]:
     """A context factory: ``no_sync`` of every DDP module in ``model`` (itself or inside a wrapper)
     whose gradients must not be all-reduced in this backward, else a null context."""
