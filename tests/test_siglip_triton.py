@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 import bigbatch
 from bigbatch import reference
 
-from helpers import assert_close, assert_rel
+from helpers import TRITON_DEVICE, assert_close, assert_rel
 
 triton = pytest.importorskip("triton")
 
 from bigbatch.backends.gemm import mm_acc  # noqa: E402
 from bigbatch.backends.triton_sigmoid import TritonSigmoid  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = TRITON_DEVICE
 
 
 def _case(b, d, dtype, seed, *, n_classes=None, scale=10.0, bias=-5.0, device=DEVICE, normalize=True):

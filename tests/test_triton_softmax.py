@@ -22,9 +22,9 @@ from bigbatch.backends import resolve_backend
 triton = pytest.importorskip("triton")
 from bigbatch.backends.triton_softmax import TritonTiles  # noqa: E402
 
-from helpers import assert_rel, features, rel_err  # noqa: E402
+from helpers import TRITON_DEVICE, assert_rel, features, rel_err  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = TRITON_DEVICE
 # Small tiles on the CPU: several row/col blocks, groups and D chunks at B <= 70.
 SMALL = dict(block_m=16, block_n=16, block_d=16, super_tile=(40, 24))
 

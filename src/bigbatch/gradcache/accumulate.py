@@ -25,13 +25,14 @@ from typing import Iterator, List, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
+
+from .wrappers import ddp_modules
 
 ENABLED = True  # module switch, for A/B measurements (experiments/); the library leaves it on
 
 
 def _fusable(model: nn.Module, params: List[nn.Parameter]) -> bool:
-    if any(isinstance(m, DistributedDataParallel) for m in model.modules()):
+    if ddp_modules(model):
         return False
     return not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in params)
 

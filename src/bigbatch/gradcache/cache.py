@@ -28,7 +28,7 @@ from .chunking import batch_size, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, backprop, encode, finalize_plan
 from .inputs import backward_into_originals, inputs_require_grad, with_boundaries
 from .wrappers import (DDP_SYNC_MODES, check_loss_params_outside_ddp, check_not_fsdp, check_not_parametrize_cached,
-                       is_ddp, warn_user)
+                       ddp_modules, is_ddp, warn_user)
 
 _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 # Chunk sizes and kept graphs are planned against 95% of the budget (the 5%: allocator rounding and
@@ -284,9 +284,10 @@ class GradCache:
         for i, (m, x, c) in enumerate(zip(models, inputs, sizes)):
             if self.split_input_fn is None:  # the built-in split needs batched tensors it can see
                 batch_size(x, f"inputs[{i}]", hint="pass split_input_fn= to split another type")
+            ddps = ddp_modules(m)
             for chunk in split_chunks(x, c, split_input_fn=self.split_input_fn, from_budget=self.chunk_sizes is None):
                 units.append(Unit(i, m, chunk, chunk_rows(chunk, self.split_input_fn is not None, f"a chunk of inputs[{i}]"),
-                                  rerun=trainable[i]))
+                                  rerun=trainable[i], ddps=ddps))
         self._plan_keep(units, costs, usable, trainable)
         finalize_plan(units)
         self.last_chunk_sizes, self.last_kept = sizes, sum(u.keep for u in units)

@@ -26,7 +26,7 @@ from .cache import _BUDGET_FRACTION, _identity, check_options, default_budget
 from .chunking import batch_size, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, _autocast, backprop, encode, finalize_plan
 from .inputs import Pairs, inputs_require_grad, with_boundaries
-from .wrappers import check_not_fsdp, check_not_parametrize_cached, is_ddp, warn_user
+from .wrappers import check_not_fsdp, check_not_parametrize_cached, ddp_modules, is_ddp, warn_user
 
 _PROBER = ChunkProber()
 
@@ -156,7 +156,8 @@ def cached_encode(
         cached = 0.0 if offload_reps else cost.cached(b)
         chunk_size = cost.largest_chunk(planning_budget(budget, _BUDGET_FRACTION, cached, allocated_now([device])), b)
     chunks = split_chunks(bounded, chunk_size, split_input_fn=split_input_fn, from_budget=sized_from_budget)
-    units = [Unit(0, model, c, chunk_rows(c, split_input_fn is not None, "a chunk of inputs")) for c in chunks]
+    ddps = ddp_modules(model)
+    units = [Unit(0, model, c, chunk_rows(c, split_input_fn is not None, "a chunk of inputs"), ddps=ddps) for c in chunks]
     # no autocast at the forward: none in the backward's re-runs either, whatever region it runs in
     opts = EngineOptions(get_rep, autocast_dtype, offload_inputs, offload_reps, ddp_sync, inherit_autocast=False)
     if not needs_grad:  # no registered parameter or input is trained: plain no-grad forwards ...

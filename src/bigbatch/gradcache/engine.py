@@ -33,7 +33,7 @@ from .accumulate import GradAccumulation
 from .buffers import BufferStates, buffers_restored, recording, restoring
 from .chunking import call_model, model_device, staged, tensor_leaves
 from .rng import RngState, cuda_devices_of, model_cuda_devices
-from .wrappers import ddp_modules, sync_context
+from .wrappers import sync_context
 
 
 @dataclass
@@ -50,6 +50,9 @@ class Unit:
     kept_rep: Optional[Tensor] = None
     buffers: Optional[Tuple[BufferStates, Dict[int, Tensor]]] = None  # the buffers its pass-1 forward saw
     written: Optional["Written"] = None  # its input's version counters, checked again before the re-run
+    # the model's DDP modules (wrappers.ddp_modules, found once per model and step: a walk over
+    # every submodule, too slow to repeat per chunk on a host-bound step)
+    ddps: Sequence[nn.Module] = ()
 
 
 @dataclass
@@ -127,7 +130,7 @@ def _distinct(models: Sequence[nn.Module]) -> List[nn.Module]:
 def finalize_plan(units: Sequence[Unit]) -> None:
     """Apply the DDP rule above to the ``keep`` flags (in place): no kept graph in a DDP model."""
     for u in units:
-        if ddp_modules(u.model):
+        if u.ddps:
             u.keep = False
 
 
@@ -176,7 +179,7 @@ def _first_run(u: Unit, chunk: Any, opts: EngineOptions, devices: List[int], mir
     (of ``devices``, the model's CUDA devices, and those of the chunk's tensors). Returns the
     detached (compact) representation; sets ``u.rows`` for a custom chunk type."""
     if u.keep:
-        with sync_context(u.model, sync=False)(), torch.enable_grad():
+        with sync_context(u.ddps, sync=False)(), torch.enable_grad():
             rep = _rep(opts, u.model, chunk, u.rows)
         u.kept_rep = rep
         rep = compact(rep)
@@ -187,7 +190,7 @@ def _first_run(u: Unit, chunk: Any, opts: EngineOptions, devices: List[int], mir
         # a mirrored forward builds a graph, dropped as soon as the representation is detached
         # (one chunk's activations, which the chunk size allows for its re-run anyway); under
         # no_sync, so that DDP neither arms its reducer nor re-broadcasts buffers before the next chunk
-        with sync_context(u.model, sync=not (mirror or detect))(), torch.set_grad_enabled(mirror or detect):
+        with sync_context(u.ddps, sync=not (mirror or detect))(), torch.set_grad_enabled(mirror or detect):
             rep = _rep(opts, u.model, chunk, u.rows, graph=False)
         if detect and rep.requires_grad:
             u.rerun = True
@@ -267,7 +270,7 @@ def backprop_kept(units: Sequence[Unit], slices: Dict[int, Tensor], opts: Engine
         rep, u.kept_rep = u.kept_rep, None
         if k in slices:
             sent += 1
-            with sync_context(u.model, sync=False)(), GradAccumulation(u.model).chunk():
+            with sync_context(u.ddps, sync=False)(), GradAccumulation(u.model).chunk():
                 graphs += _send(rep, slices[k], opts)
         del rep
     return sent, graphs
@@ -314,7 +317,7 @@ def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tens
             sync = n == len(rerun) - 1 or opts.ddp_sync == "every_chunk"
             if u.written is not None:
                 u.written.check_before_rerun()
-            with sync_context(u.model, sync=sync)():
+            with sync_context(u.ddps, sync=sync)():
                 states, record = u.buffers
                 with restoring(states, record, [u.model]), torch.enable_grad(), u.rng.replay():
                     rep = _rep(opts, u.model, chunk, u.rows)

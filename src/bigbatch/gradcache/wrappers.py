@@ -123,11 +123,11 @@ def check_loss_params_outside_ddp(loss: torch.Tensor, models: Sequence[nn.Module
             "find_unused_parameters=True, or keep these parameters outside it (a module of their own)")
 
 
-def sync_context(model: nn.Module, sync: bool) -> Callable[[], ContextManager]:
-    """A context factory: ``no_sync`` of every DDP module in ``model`` (itself or inside a wrapper)
-    whose gradients must not be all-reduced in this backward, else a null context."""
-    ddps = [] if sync else ddp_modules(model)
-    if not ddps:
+def sync_context(ddps: Sequence[DistributedDataParallel], sync: bool) -> Callable[[], ContextManager]:
+    """A context factory: ``no_sync`` of every DDP module of a model (``ddps``, from
+    :func:`ddp_modules`, found once per step) whose gradients must not be all-reduced in this
+    backward, else a null context."""
+    if sync or not ddps:
         return contextlib.nullcontext
 
     def no_sync() -> ContextManager:
