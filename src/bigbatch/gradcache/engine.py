@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from .accumulate import GradAccumulation
 from .buffers import BufferStates, buffers_restored, recording, restoring
 from .chunking import call_model, model_device, staged, tensor_leaves
+from .lazy import LazyInits, skipping_inits
 from .rng import RngState, cuda_devices_of, model_cuda_devices
 from .wrappers import sync_context
 
@@ -53,6 +54,8 @@ class Unit:
     # the model's DDP modules (wrappers.ddp_modules, found once per model and step: a walk over
     # every submodule, too slow to repeat per chunk on a host-bound step)
     ddps: Sequence[nn.Module] = ()
+    # lazy modules its pass-1 forward initialised: id -> random state right after (lazy.py)
+    lazy_after: Optional[Dict[int, RngState]] = None
 
 
 @dataclass
@@ -174,7 +177,8 @@ class Written:
                 "values: modify a clone of the input instead")
 
 
-def _first_run(u: Unit, chunk: Any, opts: EngineOptions, devices: List[int], mirror: bool) -> Tensor:
+def _first_run(u: Unit, chunk: Any, opts: EngineOptions, devices: List[int], mirror: bool,
+               lazy: LazyInits) -> Tensor:
     """Pass 1 of one chunk: with a kept graph, or without a graph under a captured random state
     (of ``devices``, the model's CUDA devices, and those of the chunk's tensors). Returns the
     detached (compact) representation; sets ``u.rows`` for a custom chunk type."""
@@ -190,8 +194,10 @@ def _first_run(u: Unit, chunk: Any, opts: EngineOptions, devices: List[int], mir
         # a mirrored forward builds a graph, dropped as soon as the representation is detached
         # (one chunk's activations, which the chunk size allows for its re-run anyway); under
         # no_sync, so that DDP neither arms its reducer nor re-broadcasts buffers before the next chunk
-        with sync_context(u.ddps, sync=not (mirror or detect))(), torch.set_grad_enabled(mirror or detect):
+        with sync_context(u.ddps, sync=not (mirror or detect))(), torch.set_grad_enabled(mirror or detect), \
+                lazy.recording(u.rng.devices) as inits:
             rep = _rep(opts, u.model, chunk, u.rows, graph=False)
+        u.lazy_after = inits or None
         if detect and rep.requires_grad:
             u.rerun = True
         rep = compact(rep)
@@ -212,6 +218,7 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
         amp = _autocast(device, opts.autocast_dtype, opts.inherit_autocast)
         devices = model_cuda_devices(mine[0].model)
         mirror = grad_mode_dependent(mine[0].model)
+        lazy = LazyInits([mine[0].model])  # empty once materialised (after the first step)
         # One autocast context for all chunks of this input: autocast casts each fp32 weight to
         # half once per context, so the chunks share one cast (one ~2-bytes-per-parameter copy kept
         # for the pass) instead of re-casting every weight per chunk.
@@ -219,7 +226,7 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
             for u, chunk in zip(mine, staged([u.chunk for u in mine], device, opts.offload_inputs)):
                 written = Written(u.chunk)
                 with recording(states, [u.model]) as record:
-                    rep = _first_run(u, chunk, opts, devices, mirror)
+                    rep = _first_run(u, chunk, opts, devices, mirror, lazy)
                 written.check(u.rerun and not u.keep)
                 if not u.keep:
                     u.buffers = (states, record["record"])
@@ -319,7 +326,8 @@ def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tens
                 u.written.check_before_rerun()
             with sync_context(u.ddps, sync=sync)():
                 states, record = u.buffers
-                with restoring(states, record, [u.model]), torch.enable_grad(), u.rng.replay():
+                with restoring(states, record, [u.model]), torch.enable_grad(), u.rng.replay(), \
+                        skipping_inits([u.model], u.lazy_after):
                     rep = _rep(opts, u.model, chunk, u.rows)
                 with no_amp(), acc.chunk():
                     graphs += _send(rep, slices[k], opts)

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from .buffers import BufferStates, buffers_restored, recording, restoring
 from .chunking import tensor_leaves
 from .engine import Written, compact, grad_mode_dependent
+from .lazy import LazyInits, skipping_inits
 from .rng import RngState, cuda_devices_of
 from .wrappers import check_not_parametrize_cached
 
@@ -96,7 +97,8 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
         # grad mode off, as the public package; on (graph dropped) where a module's forward would
         # take another path without it (engine.grad_mode_dependent), so the re-run matches
         written = Written((list(args), kwargs))
-        with recording(states, modules) as box, torch.set_grad_enabled(any(map(grad_mode_dependent, modules))):
+        with recording(states, modules) as box, torch.set_grad_enabled(any(map(grad_mode_dependent, modules))), \
+                LazyInits(modules).recording(rng.devices) as lazy_after:
             out = func(*args, **kwargs)
         written.check(rerun=True)
         record = box["record"]
@@ -120,7 +122,7 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
                 )
             written.check_before_rerun()
             with buffers_restored(modules), restoring(states, record, modules):
-                with torch.enable_grad(), rng.replay(), _AutocastReplay(amp):
+                with torch.enable_grad(), rng.replay(), _AutocastReplay(amp), skipping_inits(modules, lazy_after):
                     again = _as_tuple(func(*args, **kwargs), func.__name__)
                 pairs = [(t, g) for t, g in zip(again, grads) if g is not None and t.requires_grad]
                 if pairs:

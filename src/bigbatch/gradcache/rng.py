@@ -70,15 +70,19 @@ class RngState:
         np_random = _numpy_random()
         self.np = np_random.get_state() if np_random is not None else None
 
+    def restore(self) -> None:
+        """Set every generator to the captured state (no fork: inside :meth:`replay`, or a caller's)."""
+        torch.set_rng_state(self.cpu)
+        for d, s in zip(self.devices, self.cuda):
+            torch.cuda.set_rng_state(s, d)
+        random.setstate(self.py)
+        np_random = _numpy_random()
+        if self.np is not None and np_random is not None:
+            np_random.set_state(self.np)
+
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
         """Run the body with the captured states; the caller's states are restored on exit."""
         with forked_rng(self.devices):
-            torch.set_rng_state(self.cpu)
-            for d, s in zip(self.devices, self.cuda):
-                torch.cuda.set_rng_state(s, d)
-            random.setstate(self.py)
-            np_random = _numpy_random()
-            if self.np is not None and np_random is not None:
-                np_random.set_state(self.np)
+            self.restore()
             yield
