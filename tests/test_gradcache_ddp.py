@@ -271,3 +271,33 @@ def test_loss_parameter_inside_a_ddp_encoder():
     for r in results:
         for g, p in zip(r[True], ref.parameters()):
             assert (g - p.grad).norm() <= 1e-10 * p.grad.norm()
+
+
+def _every_chunk_worker(rank: int, world: int):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bigbatch
+
+    x, y = _data(world)
+    out = {}
+    for rows in ((5, 7), (6, 6)):  # uneven local batches: 3 vs 4 chunks of 2; even: 3 and 3
+        lo = sum(rows[:rank])
+        xs, ys = x[lo:lo + rows[rank]], y[lo:lo + rows[rank]]
+        q, p = DDP(_encoder()), DDP(_encoder())
+        gc = bigbatch.GradCache([q, p], chunk_sizes=CHUNK, ddp_sync="every_chunk",
+                                loss_fn=lambda a, b: bigbatch.clip_loss(a, b, 3.0, group=dist.group.WORLD))
+        try:
+            gc(xs, ys)
+            out[rows] = "ok"
+        except ValueError as exc:
+            out[rows] = str(exc)
+    return out
+
+
+def test_every_chunk_sync_with_uneven_chunk_counts_is_an_error_not_a_hang():
+    """ddp_sync="every_chunk" (the public no_sync_except_last=False) all-reduces per re-run chunk:
+    ranks with different chunk counts hung in different collectives. All ranks now raise."""
+    for r in run_gloo(_every_chunk_worker, 2, timeout=120.0):
+        assert 'ddp_sync="every_chunk"' in r[(5, 7)] and "3 to 4" in r[(5, 7)], r
+        assert r[(6, 6)] == "ok", r

@@ -34,7 +34,7 @@ from .buffers import BufferStates, buffers_restored, recording, restoring
 from .chunking import call_model, model_device, staged, tensor_leaves
 from .lazy import LazyInits, skipping_inits
 from .rng import RngState, cuda_devices_of, model_cuda_devices
-from .wrappers import sync_context
+from .wrappers import check_same_sync_count, sync_context
 
 
 @dataclass
@@ -316,6 +316,8 @@ def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tens
     amp = _autocast(device, opts.autocast_dtype, opts.inherit_autocast)
     no_amp = _no_autocast(device, opts.autocast_dtype, opts.inherit_autocast)
     acc = GradAccumulation(model)
+    if opts.ddp_sync == "every_chunk" and units[rerun[0]].ddps:
+        check_same_sync_count(units[rerun[0]].ddps, len(rerun))
     # As in pass 1, one autocast context (one weight cast) for every re-run chunk of the model;
     # each chunk's backward runs with autocast off, as it would outside the context.
     with amp():

@@ -123,6 +123,29 @@ def check_loss_params_outside_ddp(loss: torch.Tensor, models: Sequence[nn.Module
             "find_unused_parameters=True, or keep these parameters outside it (a module of their own)")
 
 
+def check_same_sync_count(ddps: Sequence[DistributedDataParallel], chunks: int) -> None:
+    """``ddp_sync="every_chunk"``: each re-run chunk's backward all-reduces, so every rank must
+    re-run the same number of chunks of this model, or the ranks would wait in different
+    collectives (a hang). One small all-reduce per DDP module and step compares the counts; all
+    ranks raise together when they differ."""
+    import torch.distributed as dist
+
+    for d in ddps:
+        group = d.process_group
+        nccl = dist.get_backend(group) == "nccl"
+        device = next((p.device for p in d.module.parameters() if p.is_cuda), None) if nccl else None
+        counts = torch.tensor([chunks, -chunks], dtype=torch.int64,
+                              device=device or (torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"))
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
+        most, fewest = int(counts[0]), -int(counts[1])
+        if most != fewest:
+            raise ValueError(
+                f'ddp_sync="every_chunk" (no_sync_except_last=False) all-reduces in every re-run chunk, and the '
+                f"ranks re-run different numbers of chunks ({fewest} to {most}: uneven local batches or chunk "
+                f'sizes), which would hang DDP: use the default ddp_sync="last_chunk" (one all-reduce per step, '
+                "exact with uneven batches), or equal chunk counts on every rank")
+
+
 def sync_context(ddps: Sequence[DistributedDataParallel], sync: bool) -> Callable[[], ContextManager]:
     """A context factory: ``no_sync`` of every DDP module of a model (``ddps``, from
     :func:`ddp_modules`, found once per step) whose gradients must not be all-reduced in this
