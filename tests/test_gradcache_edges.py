@@ -97,11 +97,14 @@ def test_models_of_the_wrong_type():
 
 @pytest.mark.parametrize("get_rep,needle", [(lambda o: o.detach(), "detached"), (lambda o: o.argmax(1), "int64")])
 @pytest.mark.parametrize("keep", [True, False])
-def test_a_representation_without_grad_is_named(get_rep, needle, keep):
+@pytest.mark.parametrize("sizing", [dict(chunk_sizes=3), dict(memory_budget="1MB")])
+def test_a_representation_without_grad_is_named(get_rep, needle, keep, sizing):
+    """Also when the chunk size comes from a budget (the probe failed with autograd's own error)."""
     m = nn.Linear(6, 8).to(F64)
     x = torch.randn(6, 6, dtype=F64)
     with pytest.raises((TypeError, ValueError), match=f"get_rep_fn.*{needle}"):
-        GradCache(m, 3, lambda a, b: (a.double() + b.double()).sum(), get_rep_fn=get_rep, keep_last_graph=keep)(x, x)
+        GradCache(m, loss_fn=lambda a, b: (a.double() + b.double()).sum(), get_rep_fn=get_rep, keep_last_graph=keep,
+                  **sizing)(x, x)
 
 
 def test_inference_mode_is_refused():
@@ -455,6 +458,24 @@ def test_a_wrapper_that_only_calls_a_frozen_tower_sends_no_gradient(api):
         clip(cached_encode(img, x, 4), cached_encode(txt, y, 4)).backward()
     for p, e in zip(params, expected):
         assert_rel(p.grad, e, 1e-10, f"shared two-tower module via {api}")
+
+
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
+def test_a_budget_for_a_wrapper_that_only_calls_a_frozen_tower(api):
+    """The budget's probe back-propagated the image wrapper's output, which has no graph: autograd's
+    own error, where chunk sizes worked. Now it measures that forward alone, as the step runs it."""
+    towers = _TwoTowers().eval()  # no dropout: the whole-batch gradient is the reference
+    img, txt = _Tower(towers, "image"), _Tower(towers, "text")
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randn(9, 6, generator=g, dtype=F64), torch.randn(9, 6, generator=g, dtype=F64)
+    params = list(towers.text.parameters())
+    expected = torch.autograd.grad(clip(towers.image(x), towers.text(y)), params)
+    if api == "gradcache":
+        GradCache([img, txt], loss_fn=clip, memory_budget="1MB")(x, y)
+    else:
+        clip(cached_encode(img, x, memory_budget="1MB"), cached_encode(txt, y, memory_budget="1MB")).backward()
+    for p, e in zip(params, expected):
+        assert_rel(p.grad, e, 1e-10, f"frozen-tower wrapper with a budget via {api}")
 
 
 class _ScalesItsInput(nn.Module):

@@ -33,7 +33,8 @@ import torch
 from torch import Tensor, nn
 
 from .buffers import buffers_restored
-from .chunking import batch_size, call_model, map_tensors, model_device, split_batch, tensor_leaves, to_device
+from .chunking import (batch_size, call_model, check_not_detached, map_tensors, model_device, split_batch,
+                       tensor_leaves, to_device)
 from .rng import forked_rng, model_cuda_devices
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -156,10 +157,15 @@ def _rep_bytes(rep: Tensor) -> float:
     return float(rep.numel() * rep.element_size())
 
 
-def _get_rep(get_rep, out: Any) -> Tensor:
+def _get_rep(get_rep, out: Any, graph: bool = False) -> Tensor:
+    """``graph``: a forward with a graph to back-propagate; a representation without one is an
+    error if ``get_rep`` detached it, else (the forward used no trainable tensor, as a wrapper of
+    only a frozen tower) the probe measures the forward alone, as the step will run it."""
     rep = get_rep(out)
     if not isinstance(rep, Tensor):
         raise TypeError(f"get_rep_fn must return a tensor, got {type(rep).__name__}; pass get_rep_fn=...")
+    if graph:
+        check_not_detached(rep, out)
     return rep
 
 
@@ -193,10 +199,10 @@ def _measure(model, x, get_rep, autocast_ctx, params, device, by_grad: bool = Tr
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         with autocast_ctx(), torch.set_grad_enabled(train):
-            rep = _get_rep(get_rep, call_model(model, x))
+            rep = _get_rep(get_rep, call_model(model, x), graph=train)
         act = torch.cuda.memory_allocated(device) - base if train else 0
         rep_bytes = _rep_bytes(rep)
-        if train:
+        if rep.requires_grad:
             _backward(rep, params, by_grad)
         del rep
         torch.cuda.synchronize(device)
@@ -214,8 +220,9 @@ def _measure(model, x, get_rep, autocast_ctx, params, device, by_grad: bool = Tr
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast_ctx():
-        rep = _get_rep(get_rep, call_model(model, x))
-    _backward(rep, params, by_grad)
+        rep = _get_rep(get_rep, call_model(model, x), graph=True)
+    if rep.requires_grad:
+        _backward(rep, params, by_grad)
     grads = sum(p.numel() * p.element_size() for p in params)
     return float(2 * saved[0] + grads), float(saved[0]), _rep_bytes(rep)
 

@@ -283,3 +283,14 @@ def staged(chunks: Sequence[Any], device: torch.device, overlap: bool) -> Iterat
         map_tensors(cur, lambda t: (t.record_stream(compute), t)[1] if t.is_cuda else t)
         nxt = issue(chunks[i + 1]) if i + 1 < len(chunks) else None
         yield cur
+
+
+def check_not_detached(rep: Tensor, out: Any) -> None:
+    """A representation without grad from a model output that has one: ``get_rep_fn`` detached it
+    (an output without any means the forward used no trainable tensor: nothing to send)."""
+    if not rep.requires_grad and any(t.requires_grad for t in tensor_leaves(out)):
+        raise ValueError(
+            f"get_rep_fn returned a representation that does not require grad ({rep.dtype}"
+            f"{', detached' if rep.is_floating_point() else ''}) from an encoder that is trained: it must be a "
+            "floating tensor computed from the model's output without .detach() or torch.no_grad()"
+        )

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from .accumulate import GradAccumulation
 from .buffers import BufferStates, buffers_restored, recording, restoring
-from .chunking import call_model, model_device, staged, tensor_leaves
+from .chunking import call_model, check_not_detached, model_device, staged, tensor_leaves
 from .lazy import LazyInits, skipping_inits
 from .rng import RngState, cuda_devices_of, model_cuda_devices
 from .wrappers import check_same_sync_count, sync_context
@@ -104,12 +104,8 @@ def _rep(opts: EngineOptions, model: nn.Module, chunk: Any, rows: Optional[int],
     # a chunk whose gradient is needed: a representation without grad is an error when the model's
     # output had one (get_rep_fn detached it); an output without any means this forward used no
     # trainable tensor (a wrapper calling only a frozen tower of a shared model): no gradient to send
-    if graph and torch.is_grad_enabled() and not rep.requires_grad and any(t.requires_grad for t in tensor_leaves(out)):
-        raise ValueError(
-            f"get_rep_fn returned a representation that does not require grad ({rep.dtype}"
-            f"{', detached' if rep.is_floating_point() else ''}) from an encoder that is trained: it must be a "
-            "floating tensor computed from the model's output without .detach() or torch.no_grad()"
-        )
+    if graph and torch.is_grad_enabled():
+        check_not_detached(rep, out)
     return rep
 
 
