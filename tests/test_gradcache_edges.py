@@ -95,6 +95,31 @@ def test_models_of_the_wrong_type():
         GradCache(lambda x: x, 2, clip)
 
 
+def test_a_module_list_holds_one_model_per_input():
+    """As in the public package, which zips over ``models``: an nn.ModuleList is a list of models
+    (it was taken as one shared model without a forward)."""
+    q, p = nn.Linear(6, 8).to(F64), nn.Linear(6, 8).to(F64)
+    x, y = torch.randn(6, 6, dtype=F64), torch.randn(6, 6, dtype=F64)
+    expected = torch.autograd.grad(clip(q(x), p(y)), [q.weight, p.weight])
+    GradCache(nn.ModuleList([q, p]), 4, clip)(x, y)
+    assert_rel(q.weight.grad, expected[0], 1e-12, "query")
+    assert_rel(p.weight.grad, expected[1], 1e-12, "passage")
+
+
+@pytest.mark.parametrize("make", [
+    lambda m: GradCache(m, 2, clip, get_rep_fn=3),
+    lambda m: GradCache(m, 2, clip, split_input_fn="rows"),
+    lambda m: cached_encode(m, torch.randn(4, 6, dtype=F64), 2, get_rep_fn="cls"),
+    lambda m: cached_encode(m, torch.randn(4, 6, dtype=F64), 2, split_input_fn=1),
+    lambda m: cached_encode(None, torch.randn(4, 6, dtype=F64), 2),
+    lambda m: cached_encode([m], torch.randn(4, 6, dtype=F64), 2),
+    lambda m: cached_encode(lambda v: m(v), torch.randn(4, 6, dtype=F64), 2),
+])
+def test_arguments_that_must_be_callables_or_modules_are_named(make):
+    with pytest.raises(TypeError, match="get_rep_fn|split_input_fn|model must be"):
+        make(nn.Linear(6, 8).to(F64))
+
+
 @pytest.mark.parametrize("get_rep,needle", [(lambda o: o.detach(), "detached"), (lambda o: o.argmax(1), "int64")])
 @pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("sizing", [dict(chunk_sizes=3), dict(memory_budget="1MB")])

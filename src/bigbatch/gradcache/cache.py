@@ -45,6 +45,14 @@ def _identity(x: Any) -> Any:
     return x
 
 
+def check_callables(**fns: Any) -> None:
+    """Each of ``fns`` (name -> value) is ``None`` or callable: caught when the object is built,
+    naming the argument, rather than as "'int' object is not callable" in the first step."""
+    for name, fn in fns.items():
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}")
+
+
 def check_options(autocast_dtype, scaler, ddp_sync) -> None:
     if autocast_dtype is not None and autocast_dtype not in _AUTOCAST_DTYPES:
         raise ValueError(f"autocast_dtype must be torch.bfloat16, torch.float16 or None, got {autocast_dtype!r}")
@@ -159,13 +167,16 @@ class GradCache:
             autocast_dtype = torch.float16
         if not isinstance(models, (nn.Module, list, tuple)):
             raise TypeError(f"models must be an nn.Module or a non-empty list of nn.Modules, got {type(models).__name__}")
-        self.models: List[nn.Module] = [models] if isinstance(models, nn.Module) else list(models)
+        # an nn.ModuleList holds one model per input (it has no forward of its own), as a list does
+        single = isinstance(models, nn.Module) and not isinstance(models, nn.ModuleList)
+        self.models: List[nn.Module] = [models] if single else list(models)
         if not self.models or not all(isinstance(m, nn.Module) for m in self.models):
             raise TypeError("models must be an nn.Module or a non-empty list of nn.Modules")
         for m in self.models:
             check_not_fsdp(m)
         if loss_fn is None or not callable(loss_fn):
             raise TypeError("loss_fn must be a callable (*reps, **loss_kwargs) -> scalar tensor")
+        check_callables(split_input_fn=split_input_fn, get_rep_fn=get_rep_fn)
         check_options(autocast_dtype, scaler, ddp_sync)
         if chunk_sizes is not None:
             chunk_sizes = check_chunk_sizes(chunk_sizes)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .._autograd import refuse_create_graph
 from .budget import ChunkProber, MemoryArg, allocated_now, parse_memory, planning_budget, probe_cost
-from .cache import _BUDGET_FRACTION, _identity, check_options, default_budget
+from .cache import _BUDGET_FRACTION, _identity, check_callables, check_options, default_budget
 from .chunking import batch_size, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, _autocast, backprop, encode, finalize_plan
 from .inputs import Pairs, inputs_require_grad, with_boundaries
@@ -130,6 +130,9 @@ def cached_encode(
     Returns:
         (B, ...) representations with a ``grad_fn`` when grad mode is on and a parameter requires grad.
     """
+    if not isinstance(model, nn.Module) or isinstance(model, nn.ModuleList):
+        raise TypeError(f"model must be an nn.Module with a forward (one encoder per call), got {type(model).__name__}")
+    check_callables(get_rep_fn=get_rep_fn, split_input_fn=split_input_fn)
     check_not_fsdp(model)
     check_options(autocast_dtype, None, ddp_sync)
     device = model_device(model)
