@@ -159,3 +159,34 @@ def test_cuda_features_on_a_gloo_group():
             else:
                 assert msg.startswith("value "), msg
     assert [m for _, m in per_rank[0]] == [m for _, m in per_rank[1]]  # the same value on both ranks
+
+
+def _grad_chunk_cases(rank: int, world: int):
+    from bigbatch.backends import resolve_backend
+    from bigbatch.distributed import ring_clip_loss, ring_infonce_loss
+
+    torch.manual_seed(rank)
+    q = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    backend = resolve_backend("torch", q.device, q.dtype)
+    out = []
+    for fn in (ring_clip_loss, ring_infonce_loss):
+        for chunks in ((2, 3), (2, 0)):
+            try:
+                fn(q, k, torch.tensor(5.0, dtype=torch.float64), group=dist.group.WORLD, backend=backend,
+                   grad_chunk=chunks[rank]).backward()
+                out.append("no error")
+            except ValueError as exc:
+                out.append(str(exc))
+            dist.barrier()
+    return out
+
+
+def test_grad_chunk_is_checked_and_agreed_on_every_rank():
+    """The softmax ring's backward cuts its messages by grad_chunk: different values across ranks
+    made gloo abort the processes (messages of different sizes), and an invalid value on one rank
+    raised there only (after the exchange) while the other waited in the ring."""
+    for out in run_gloo(_grad_chunk_cases, 2, timeout=120.0):
+        for differ, invalid in (out[0:2], out[2:4]):
+            assert "grad_chunk must be the same on every rank" in differ, differ
+            assert "rank(s) [1]" in invalid and "grad_chunk must be a positive int" in invalid, invalid

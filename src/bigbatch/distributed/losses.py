@@ -12,7 +12,7 @@ still sums over ranks, so under gradient averaging scale a sum of them by world_
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -51,8 +51,15 @@ def _local_label_error(labels: Optional[Tensor], b: int, n: int, device: torch.d
 
 
 # What every rank contributes to the one metadata all_gather of a call (see :func:`_agree`).
-_FIELDS = ("kind", "reduction", "path", "needs_backward", "dim", "dtype", "scale",
+_FIELDS = ("kind", "reduction", "path", "needs_backward", "dim", "dtype", "scale", "grad_chunk",
            "q_rows", "k_rows", "has_labels", "label_min", "label_max")
+
+
+def _grad_chunk_error(chunk: Any) -> Optional[str]:
+    """Checked before the exchange (a rank that raised alone would leave the others in the ring)."""
+    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+        return f"grad_chunk must be a positive int or None, got {chunk!r}"
+    return None
 
 
 def raise_on_every_rank(group, kind: str, exc: Exception) -> None:
@@ -73,7 +80,9 @@ def raise_on_every_rank(group, kind: str, exc: Exception) -> None:
 
 
 def _agree(ring: Ring, q: Tensor, k: Tensor, scale: Tensor, *, kind: str, reduction: str,
-           path: Backend, local_error: Optional[str], lo: float, hi: float, has_labels: bool) -> dict:
+           path: Backend, local_error: Optional[str], lo: float, hi: float, has_labels: bool,
+           grad_chunk: Optional[int] = None) -> dict:
+    local_error = local_error or _grad_chunk_error(grad_chunk)
     fields = {
         "kind": _KIND[kind],
         "reduction": _REDUCTION[reduction],
@@ -84,6 +93,9 @@ def _agree(ring: Ring, q: Tensor, k: Tensor, scale: Tensor, *, kind: str, reduct
         "dim": float(q.shape[1]),
         "dtype": float(dtype_code(q.dtype)),
         "scale": float(scale.detach()),
+        # the backward's messages are cut by it: ranks with different values would exchange
+        # messages of different sizes (gloo aborts the process)
+        "grad_chunk": float(grad_chunk or 0) if local_error is None else 0.0,
         "q_rows": float(q.shape[0]),
         "k_rows": float(k.shape[0]),
         "has_labels": 1.0 if has_labels else 0.0,
@@ -95,7 +107,7 @@ def _agree(ring: Ring, q: Tensor, k: Tensor, scale: Tensor, *, kind: str, reduct
         ring,
         q.device,
         fields,
-        same=("kind", "reduction", "path", "needs_backward", "dim", "dtype", "scale"),
+        same=("kind", "reduction", "path", "needs_backward", "dim", "dtype", "scale", "grad_chunk"),
         local_error=local_error,
         what=f"{kind}_loss(group=...)",
         p2p=not isinstance(path, str),  # the ring; "reference" gathers
@@ -107,9 +119,7 @@ def _agree(ring: Ring, q: Tensor, k: Tensor, scale: Tensor, *, kind: str, reduct
 
 def _plan(ring: Ring, table: dict, q: Tensor, labels: Optional[Tensor], *, cols: bool,
           chunk: Optional[int]) -> RingPlan:
-    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
-        raise ValueError(f"grad_chunk must be a positive int or None, got {chunk!r}")
-    chunk = chunk or grad_chunk_rows(q.shape[1])
+    chunk = chunk or grad_chunk_rows(q.shape[1])  # checked and agreed in _agree
     q_sizes = [int(v) for v in table["q_rows"]]
     k_sizes = [int(v) for v in table["k_rows"]]
     if cols:  # CLIP: every positive is in this rank's own block, no sync needed
@@ -138,7 +148,7 @@ def ring_clip_loss(
         err = (f"image_features and text_features must have the same number of rows on each rank "
                f"(row i of one is the positive of row i of the other), got {b} and {n}")
     table = _agree(ring, image, text, scale, kind="clip", reduction="mean", path=backend,
-                   local_error=err, lo=0.0, hi=0.0, has_labels=False)
+                   local_error=err, lo=0.0, hi=0.0, has_labels=False, grad_chunk=grad_chunk)
     sizes = [int(v) for v in table["q_rows"]]
     total = sum(sizes)
     start = offsets(sizes)[ring.rank]
@@ -176,7 +186,7 @@ def ring_infonce_loss(
     b, n = q.shape[0], k.shape[0]
     err, lo, hi = _local_label_error(labels, b, n, q.device)
     table = _agree(ring, q, k, scale, kind="infonce", reduction=reduction, path=backend,
-                   local_error=err, lo=lo, hi=hi, has_labels=labels is not None)
+                   local_error=err, lo=lo, hi=hi, has_labels=labels is not None, grad_chunk=grad_chunk)
     k_sizes = [int(v) for v in table["k_rows"]]
     n_total = sum(k_sizes)
     bad = [r for r in range(ring.world)
