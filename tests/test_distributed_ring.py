@@ -484,3 +484,32 @@ def test_global_value_keeps_an_infinite_loss_and_the_share_gradient():
     would have made it NaN on the inf rank only), gradient = the rank's own share's."""
     (v0, g0), (v1, g1) = run_gloo(_global_value_inf, 2, timeout=120.0)
     assert v0 == v1 == float("inf") and g0 == g1 == 3.0
+
+
+def _half_gather_errors(rank: int, world: int):
+    import bigbatch
+
+    g = torch.Generator().manual_seed(11)
+    q64, k64 = torch.randn(world * 128, 32, generator=g, dtype=torch.float64), \
+        torch.randn(world * 128, 32, generator=g, dtype=torch.float64)
+    q64, k64 = q64 / q64.norm(dim=1, keepdim=True), k64 / k64.norm(dim=1, keepdim=True)
+    ref = [t.clone().requires_grad_() for t in (q64, k64)]
+    bigbatch.clip_loss(*ref, 50.0, backend="reference").backward()
+    rows = slice(rank * 128, (rank + 1) * 128)
+
+    def err(grads):  # on this rank's rows
+        return max(_rel(gr.double(), r.grad[rows]) for gr, r in zip(grads, ref))
+
+    one = [t.to(torch.bfloat16).requires_grad_() for t in (q64, k64)]
+    bigbatch.clip_loss(*one, 50.0, backend="reference").backward()
+    shard = [t[rows].to(torch.bfloat16).requires_grad_() for t in (q64, k64)]
+    bigbatch.clip_loss(*shard, 50.0, backend="reference", group=dist.group.WORLD).backward()
+    # each rank's gradient is world x its share of the global gradient (DDP averages it back)
+    return err([t.grad[rows] for t in one]), err([t.grad / world for t in shard])
+
+
+def test_gather_path_sums_half_precision_gradients_in_fp32():
+    """backend='reference' with a group summed the ranks' bf16 gradients in bf16 (1.5x the
+    one-process error at 4 ranks); now in fp32, rounded once: the one-process error."""
+    for one, gathered in run_gloo(_half_gather_errors, 2, timeout=120.0):
+        assert gathered <= 1.05 * one, (gathered, one)

@@ -42,11 +42,17 @@ class _GatherWithGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, ring: Ring, sizes: Sequence[Optional[Sequence[int]]], *xs: Tensor):  # type: ignore[override]
+    def forward(ctx, ring: Ring, sizes: Sequence[Optional[Sequence[int]]], dtype: Optional[torch.dtype],  # type: ignore[override]
+                *xs: Tensor):
         ctx.ring, ctx.sizes = ring, [None if n is None else list(n) for n in sizes]
-        gathered = [x.clone() if ring.world == 1 else torch.cat(all_gather_rows(x, ring, n))
+        ctx.dtypes = [x.dtype for x in xs]
+
+        def cast(t: Tensor) -> Tensor:  # to the loss's compute dtype here, so gradients arrive in it
+            return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+        gathered = [cast(x.clone() if ring.world == 1 else torch.cat(all_gather_rows(x, ring, n)))
                     for x, n in zip(xs, sizes) if n is not None]
-        return (*[x.view_as(x) for x in xs], *gathered)
+        return (*[x.view_as(x) if cast(x) is x else cast(x) for x in xs], *gathered)
 
     @staticmethod
     @autocast_off
@@ -56,25 +62,29 @@ class _GatherWithGrad(torch.autograd.Function):
             refuse_create_graph("the distributed backend='reference' path (gather-with-grad)",
                                 "compute second derivatives of a loss on one process with backend='reference'")
         local, gathered = list(grads[: len(sizes)]), [g.contiguous() for g in grads[len(sizes):]]
-        if ring.world > 1 and gathered:  # one flat buffer: one collective (the inputs' dtypes may differ)
-            dtype = functools.reduce(torch.promote_types, [g.dtype for g in gathered])
+        # the sum over ranks in fp32 or wider (one flat buffer: one collective; dtypes may differ),
+        # then one rounding to each input's dtype
+        dtype = functools.reduce(torch.promote_types, [g.dtype for g in gathered], torch.float32)
+        if ring.world > 1 and gathered:
             flat = torch.cat([g.reshape(-1).to(dtype) for g in gathered])
             dist.all_reduce(flat, group=ring.group)
-            gathered = [part.view_as(g).to(g.dtype) for part, g in zip(flat.split([g.numel() for g in gathered]), gathered)]
+            gathered = [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in gathered]), gathered)]
         it = iter(gathered)
         for i, rows in enumerate(sizes):
             if rows is not None:
                 start = sum(rows[: ring.rank])
-                local[i] = local[i] + next(it)[start : start + rows[ring.rank]]
-        return (None, None, *local)
+                local[i] = local[i].to(dtype) + next(it)[start : start + rows[ring.rank]].to(dtype)
+        return (None, None, None, *[g if g is None else g.to(d) for g, d in zip(local, ctx.dtypes)])
 
 
-def gather_rows_with_grad(xs: Sequence[Tensor], ring: Ring, sizes: Sequence[Optional[Sequence[int]]]
-                          ) -> Tuple[List[Tensor], List[Optional[Tensor]]]:
+def gather_rows_with_grad(xs: Sequence[Tensor], ring: Ring, sizes: Sequence[Optional[Sequence[int]]],
+                          dtype: Optional[torch.dtype] = None) -> Tuple[List[Tensor], List[Optional[Tensor]]]:
     """(each of ``xs`` as itself, each with ``sizes[i]`` gathered into its global batch, else
-    ``None``), with gradients flowing back to every rank's shards through one collective per
-    backward. Use the returned local tensors, not ``xs``, everywhere in the loss."""
-    out = _GatherWithGrad.apply(ring, sizes, *xs)
+    ``None``), all in ``dtype`` when given (the loss's compute dtype: half-precision features then
+    get their gradients summed over ranks in fp32 and rounded once), with gradients flowing back to
+    every rank's shards through one collective per backward. Use the returned local tensors, not
+    ``xs``, everywhere in the loss."""
+    out = _GatherWithGrad.apply(ring, sizes, dtype, *xs)
     it = iter(out[len(xs):])
     return list(out[: len(xs)]), [None if n is None else next(it) for n in sizes]
 
@@ -82,4 +92,4 @@ def gather_rows_with_grad(xs: Sequence[Tensor], ring: Ring, sizes: Sequence[Opti
 def gather_with_grad(x: Tensor, ring: Ring, sizes: Sequence[int]) -> Tensor:
     """The global batch (rank order) with gradients flowing back to every rank's shard (the
     OpenCLIP-style gather-with-grad; :func:`gather_rows_with_grad` gathers several at once)."""
-    return _GatherWithGrad.apply(ring, [sizes], x)[1]
+    return _GatherWithGrad.apply(ring, [sizes], None, x)[1]

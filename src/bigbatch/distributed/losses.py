@@ -154,11 +154,11 @@ def ring_clip_loss(
     start = offsets(sizes)[ring.rank]
     if isinstance(backend, str):
         ct = compute_dtype(image.dtype)
-        (image, text, scale), (all_image, all_text, _) = gather_rows_with_grad([image, text, scale], ring, [sizes, sizes, None])
-        all_image, all_text = all_image.to(ct), all_text.to(ct)
+        (image, text, scale), (all_image, all_text, _) = gather_rows_with_grad([image, text, scale], ring,
+                                                                               [sizes, sizes, None], ct)
         labels = torch.arange(start, start + b, device=image.device)
-        per_image = F.cross_entropy(scale * (image.to(ct) @ all_text.t()), labels, reduction="sum")
-        per_text = F.cross_entropy(scale * (text.to(ct) @ all_image.t()), labels, reduction="sum")
+        per_image = F.cross_entropy(scale * (image @ all_text.t()), labels, reduction="sum")
+        per_text = F.cross_entropy(scale * (text @ all_image.t()), labels, reduction="sum")
         return global_value(ring, (per_image + per_text) * (ring.world / (2.0 * total)))
     plan = _plan(ring, table, image, None, cols=True, chunk=grad_chunk)
     lse_row, lse_col, pos = ring_softmax_stats(image, text, scale, plan, backend)
@@ -204,9 +204,8 @@ def ring_infonce_loss(
     total_q = sum(int(v) for v in table["q_rows"])
     if isinstance(backend, str):
         ct = compute_dtype(q.dtype)
-        (q, _, scale), (_, all_keys, _) = gather_rows_with_grad([q, k, scale], ring, [None, k_sizes, None])
-        all_keys = all_keys.to(ct)
-        per_row = F.cross_entropy(scale * (q.to(ct) @ all_keys.t()), labels, reduction="none")
+        (q, _, scale), (_, all_keys, _) = gather_rows_with_grad([q, k, scale], ring, [None, k_sizes, None], ct)
+        per_row = F.cross_entropy(scale * (q @ all_keys.t()), labels, reduction="none")
     else:
         plan = _plan(ring, table, q, labels, cols=False, chunk=grad_chunk)
         lse_row, _, pos = ring_softmax_stats(q, k, scale, plan, backend)
