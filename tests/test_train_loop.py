@@ -92,6 +92,35 @@ def test_resume_continues_exactly(tmp_path, data, loss):
     assert strip(tmp_path / "a" / "metrics.jsonl") == strip(tmp_path / "b" / "metrics.jsonl")
 
 
+def test_resume_with_only_out_keeps_the_saved_options_and_relative_paths_work(tmp_path, data, monkeypatch):
+    """`bigbatch train --resume --out DIR` alone: the saved --eval-every/--save-every/--backend were
+    reset to their defaults (evaluations and checkpoints missing, another backend); and a relative
+    --data could only be resumed from the directory it was typed in."""
+    base = dict(batch_size=64, chunk_size=16, steps=7, lr=0.02, buckets=4096, dim=32, max_length=16,
+                progress=False, save_every=2, eval_every=3, backend="reference")
+    whole = train(TrainConfig(**base, data=str(data[0]), eval_data=str(data[1]), out=str(tmp_path / "a")),
+                  log=lambda s: None)
+    monkeypatch.chdir(data[0].parent)
+    part = train(TrainConfig(**base, data=data[0].name, eval_data=data[1].name, out=str(tmp_path / "b")),
+                 stop_after=3, log=lambda s: None)
+    assert not part["finished"]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    resumed = train(TrainConfig(out=str(tmp_path / "b")), resume=True, explicit=["out"], log=lambda s: None)
+    assert resumed["finished"] and resumed["after"] == whole["after"]
+    wa, wb = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    records = lambda p: [(r.get("step"), sorted(r)) for r in map(json.loads, p.read_text().splitlines())]  # noqa: E731
+    assert records(tmp_path / "a" / "metrics.jsonl") == records(tmp_path / "b" / "metrics.jsonl")
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == \
+        sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir())
+    # the same file named by another relative path is the same --data
+    resumed_again = train(TrainConfig(out=str(tmp_path / "b"), data=str(Path("..") / data[0].name)),
+                          resume=True, explicit=["out", "data"], log=lambda s: None)
+    assert resumed_again["finished"]
+
+
 def _snapshot(out: Path):
     return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
 

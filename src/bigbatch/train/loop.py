@@ -372,9 +372,22 @@ def merged_config(cfg: TrainConfig, out: Path, explicit: Sequence[str]) -> Train
     ]
     if clashes:
         raise RunError("--resume continues the saved run exactly; these options differ from it: " + "; ".join(clashes))
+    # only what this command gives again (the saved --eval-every, --backend, ... otherwise), and
+    # the --out it resumes from
     for k in TrainConfig.RESUMABLE_OVERRIDES:
-        setattr(merged, k, getattr(cfg, k))
+        if k in explicit or k == "out":
+            setattr(merged, k, getattr(cfg, k))
     return merged
+
+
+def with_absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with ``--data``, ``--eval-data`` and a ``--model`` directory made absolute, so that
+    the saved run can be resumed (and compared with) from any working directory."""
+    def absolute(path: Optional[str], keywords: Sequence[str]) -> Optional[str]:
+        return path if path is None or path in keywords else str(Path(path).expanduser().resolve())
+
+    return dataclasses.replace(cfg, data=absolute(cfg.data, ("builtin",)), eval_data=absolute(cfg.eval_data, ()),
+                               model=absolute(cfg.model, ("bag", "minilm")))
 
 
 def evaluate(model: DualEncoder, tables: Tables, device: torch.device, precision: str) -> Dict[str, float]:
@@ -411,6 +424,7 @@ def train(
     """
     t_start = time.perf_counter()
     cfg.check()
+    cfg = with_absolute_paths(cfg)
     check_extras(cfg.save)
     d, device = setup_distributed(cfg.device)
     check_backend(cfg, device)
