@@ -350,3 +350,18 @@ def test_ring_random_shards_and_chunks():
     per_rank = run_gloo(_random_worker, 3, configs)
     for i, (sizes, labels, _) in enumerate(configs):
         _check([r[i] for r in per_rank], sizes, labels, 1e-12)
+
+
+def test_ring_benchmark_cpu_dry_run_defaults_to_tiny_sizes(tmp_path):
+    """`torchrun ... -m bigbatch.bench.siglip --ring --cpu` with no size options kept the GPU sizes
+    (a float64 check at B=8192, batches to 262,144): the processes were killed for memory."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "ring.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "bigbatch.bench.siglip",
+           "--ring", "--cpu", "--repeat", "1", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(out.read_text())

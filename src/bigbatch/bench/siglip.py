@@ -453,14 +453,16 @@ def plot(payload: Dict[str, Any], path: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, nargs="+", default=[8192, 32768, 65536, 131072, 262144])
-    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--batch", type=int, nargs="+", default=None,
+                   help="batch sizes (default 8192 .. 262144; with --cpu: 64)")
+    p.add_argument("--dim", type=int, default=None, help="feature dimension (default 512; with --cpu: 16)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--naive-max", type=int, default=131072, help="largest B for the full-matrix peers")
     p.add_argument("--torch-max", type=int, default=32768, help="largest B for the torch tiles")
-    p.add_argument("--check-batch", type=int, default=8192)
+    p.add_argument("--check-batch", type=int, default=None,
+                   help="batch of the float64 correctness check (default 8192; with --cpu: 24)")
     p.add_argument("--tune", action="store_true", help="pick the kernel block config by timing a few")
     p.add_argument("--tune-batch", type=int, default=65536)
     p.add_argument("--ring", action="store_true", help="several GPUs under torchrun")
@@ -470,6 +472,11 @@ def main(argv=None) -> int:
                    help="--ring only: a dry run of the ring path on CPU processes (gloo), tiny sizes")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/siglip_<kind>.json)")
     args = p.parse_args(argv)
+    # sizes not given: the GPU run's, or tiny ones for the CPU dry run (the GPU sizes need tens of GiB)
+    for name, gpu, cpu in (("batch", [8192, 32768, 65536, 131072, 262144], [64]), ("dim", 512, 16),
+                           ("check_batch", 8192, 24)):
+        if getattr(args, name) is None:
+            setattr(args, name, cpu if args.cpu else gpu)
     if args.cpu and not args.ring:
         print("--cpu is a dry run of --ring only", file=sys.stderr)
         return 2
