@@ -200,3 +200,23 @@ def test_jsonl_splits_holdout_and_eval_file(tmp_path):
     assert len(s2.train) == 200 and len(s2.heldout) == 3
     with pytest.raises(DataError, match="too few"):
         jsonl_splits(_write(tmp_path / "tiny.jsonl", lines[:2]), heldout_fraction=0.1)
+
+
+def test_default_roots_include_importable_site_packages(tmp_path, monkeypatch):
+    """A virtual environment made with --system-site-packages imports the base installation's
+    site-packages (and the user's): they were not scanned, so such an environment built a much
+    smaller default data set. A site-packages directory the Python does not import from is not
+    scanned."""
+    import site
+    import sys
+
+    from bigbatch.train.data import default_roots
+
+    seen, unseen = tmp_path / "base-site", tmp_path / "other-site"
+    seen.mkdir()
+    unseen.mkdir()
+    monkeypatch.setattr(site, "getsitepackages", lambda: [str(seen), str(unseen)])
+    monkeypatch.setattr(sys, "path", sys.path + [str(seen)])
+    roots = default_roots()
+    assert seen in roots and unseen not in roots
+    assert len({r.resolve() for r in roots}) == len(roots)

@@ -20,6 +20,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import sys
 import sysconfig
 import warnings
 from dataclasses import dataclass, field
@@ -65,14 +66,26 @@ class Splits:
 
 
 def default_roots() -> List[Path]:
-    """The standard library and the site-packages directories of the running Python."""
+    """The standard library and every site-packages directory the running Python imports from:
+    its own (a virtual environment's), the base installation's when the environment sees them
+    (``--system-site-packages``) and the user's (``pip install --user``), in that order."""
+    import site
+
     paths = sysconfig.get_paths()
-    roots = [Path(paths["stdlib"])]
-    for key in ("purelib", "platlib"):
-        p = Path(paths[key])
-        if p not in roots:
-            roots.append(p)
-    return [r for r in roots if r.is_dir()]
+    found = [paths["stdlib"], paths["purelib"], paths["platlib"]]
+    found += list(getattr(site, "getsitepackages", lambda: [])())
+    if getattr(site, "ENABLE_USER_SITE", False):
+        found.append(site.getusersitepackages())
+    importable = {str(Path(p).resolve()) for p in sys.path if p}
+    roots: List[Path] = []
+    for i, p in enumerate(found):
+        path = Path(p)
+        # the standard library and this Python's own site-packages always; the others only where
+        # the running Python imports from them (a venv without --system-site-packages does not)
+        wanted = i < 3 or str(path.resolve()) in importable
+        if wanted and path.is_dir() and path.resolve() not in [r.resolve() for r in roots]:
+            roots.append(path)
+    return roots
 
 
 def python_files(root: Path) -> Iterator[Tuple[str, Path]]:
