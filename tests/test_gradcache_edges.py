@@ -346,6 +346,13 @@ def test_cached_encode_refuses_create_graph(how):
             torch.autograd.grad((rep ** 2).sum(), x, create_graph=True)
 
 
+def test_cached_encode_refuses_batched_gradients():
+    x = torch.randn(6, 4, dtype=F64, requires_grad=True)
+    rep = cached_encode(nn.Linear(4, 3).to(F64).requires_grad_(False), x, 2)
+    with pytest.raises(RuntimeError, match="do not support batched gradients"):
+        torch.autograd.grad((rep ** 2).sum(), x, torch.ones(3, dtype=F64), is_grads_batched=True)
+
+
 def test_budget_is_re_planned_when_a_tower_is_unfrozen():
     """The probe's cost is per trainability: a tower frozen for warm-up builds no graph; once
     unfrozen its chunks must be planned for forward + backward again."""

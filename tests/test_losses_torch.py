@@ -250,6 +250,26 @@ def test_double_backward_is_a_clear_error(backend, loss, how):
             torch.autograd.functional.hessian(lambda s: f(q.detach(), k.detach(), s), scale.detach())
 
 
+@pytest.mark.parametrize("loss", ["clip", "infonce", "siglip"])
+def test_batched_gradients_are_a_clear_error(loss):
+    """autograd.grad(..., is_grads_batched=True) vmaps the backward: the tiles accumulated in place
+    failed with an internal vmap error naming aten::mul_; the reference backend supports it."""
+    q = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+
+    def f(backend):
+        if loss == "siglip":
+            return bigbatch.siglip_loss(q, k, 2.0, -1.0, backend=backend)
+        return (bigbatch.clip_loss if loss == "clip" else bigbatch.infonce_loss)(q, k, 2.0, backend=backend)
+
+    batch = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="do not support batched gradients"):
+        torch.autograd.grad(f("torch"), q, batch, is_grads_batched=True)
+    (g,) = torch.autograd.grad(f("reference"), q, batch, is_grads_batched=True)
+    (one,) = torch.autograd.grad(f("reference"), q)
+    assert torch.allclose(g[1], 2 * one)
+
+
 def test_reference_backend_gives_second_derivatives():
     q, k = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
     s = torch.tensor(2.0, dtype=torch.float64)

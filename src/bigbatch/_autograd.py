@@ -32,14 +32,29 @@ def refuse_create_graph(what: str, instead: str) -> None:
         )
 
 
+def refuse_batched(what: str, instead: str, grads: Any) -> None:
+    """Raise if the backward runs under vmap (``autograd.grad(..., is_grads_batched=True)``,
+    ``torch.func.jacrev``): tiles accumulated in place cannot carry a batch of gradients, and the
+    failure deep inside would name an internal op."""
+    functorch = getattr(torch._C, "_functorch", None)
+    # is_grads_batched uses the legacy batching; torch.func.vmap the functorch one
+    checks = [getattr(functorch, n, None) for n in ("is_legacy_batchedtensor", "is_batchedtensor")]
+    checks = [c for c in checks if c is not None]
+    if any(isinstance(g, torch.Tensor) and c(g) for g in grads for c in checks):
+        raise RuntimeError(
+            f"{what} do not support batched gradients (autograd.grad(..., is_grads_batched=True), "
+            f"vmap): back-propagate each gradient in turn; {instead}")
+
+
 def first_order(backward: F) -> F:
-    """Decorate an autograd Function's ``backward``: ``once_differentiable``, and a clear error
-    under ``create_graph=True``."""
+    """Decorate an autograd Function's ``backward``: ``once_differentiable``, and clear errors
+    under ``create_graph=True`` and for batched gradients (vmap)."""
     inner = once_differentiable(backward)
 
     @functools.wraps(backward)
     def wrapped(ctx: Any, *grads: Any) -> Any:
         refuse_create_graph(*_LOSSES)
+        refuse_batched(_LOSSES[0], "or use backend='reference' on one process", grads)
         return inner(ctx, *grads)
 
     return wrapped  # type: ignore[return-value]

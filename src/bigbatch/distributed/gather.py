@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .ring import Ring
 from .._amp import autocast_off
-from .._autograd import refuse_create_graph
+from .._autograd import refuse_batched, refuse_create_graph
 
 
 def all_gather_rows(x: Tensor, ring: Ring, sizes: Sequence[int]) -> List[Tensor]:
@@ -61,6 +61,8 @@ class _GatherWithGrad(torch.autograd.Function):
         if ring.world > 1:  # all_reduce has no derivative: second-order terms would be missing
             refuse_create_graph("the distributed backend='reference' path (gather-with-grad)",
                                 "compute second derivatives of a loss on one process with backend='reference'")
+            refuse_batched("the distributed backend='reference' path (gather-with-grad)",
+                           "its all_reduce takes one gradient", grads)
         local, gathered = list(grads[: len(sizes)]), [g.contiguous() for g in grads[len(sizes):]]
         # the sum over ranks in fp32 or wider (one flat buffer: one collective; dtypes may differ),
         # then one rounding to each input's dtype

@@ -20,7 +20,7 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch import Tensor, nn
 
-from .._autograd import refuse_create_graph
+from .._autograd import refuse_batched, refuse_create_graph
 from .budget import ChunkProber, MemoryArg, allocated_now, parse_memory, planning_budget, probe_cost
 from .cache import _BUDGET_FRACTION, _identity, check_callables, check_options, default_budget
 from .chunking import batch_size, chunk_rows, model_device, pin, split_chunks
@@ -53,6 +53,7 @@ class _CachedEncode(torch.autograd.Function):
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         refuse_create_graph("cached_encode's representations", "its re-runs accumulate constant "
                             "gradients into .grad; use a plain forward for higher derivatives")
+        refuse_batched("cached_encode's representations", "its re-runs accumulate into .grad", [grad])
         units, opts = ctx.units, ctx.opts
         ctx.units = None  # a second backward through this node is an error (its graphs are spent)
         if units is None:
