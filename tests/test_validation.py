@@ -144,6 +144,14 @@ def test_unsigned_labels(dtype):
         bigbatch.infonce_loss(q, k, 2.0, labels=torch.tensor([9, 0, 0, 0, 0]).to(dtype))
 
 
+def test_uint64_labels_of_2_to_the_63_or_more_are_reported_as_given():
+    """They wrapped to negative in the int64 the reductions take: the error read [-1, 2]."""
+    q, k = torch.randn(4, 3, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)
+    big = torch.tensor([0, 1, 2, 2**64 - 1], dtype=torch.uint64)
+    with pytest.raises(ValueError, match=r"got values in \[0, 18446744073709551615\]"):
+        bigbatch.infonce_loss(q, k, 2.0, labels=big)
+
+
 def test_triton_sigmoid_block_given_as_a_list():
     pytest.importorskip("triton")
     from bigbatch.backends.triton_sigmoid import TritonSigmoid

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -103,16 +103,28 @@ def as_signed(labels: Tensor) -> Tensor:
     return labels if labels.dtype.is_signed or labels.dtype == torch.uint8 else labels.to(torch.int64)
 
 
+def label_range(labels: Tensor) -> Tuple[int, int]:
+    """(min, max) of integer ``labels`` as the caller wrote them: uint64 values of 2**63 or more,
+    which wrap to negative in the int64 that the reductions take, are read back unsigned (extra
+    syncs only then, i.e. for labels that are out of range anyway)."""
+    signed = as_signed(labels)
+    lo, hi = (int(v) for v in torch.aminmax(signed))
+    if lo < 0 and labels.dtype == getattr(torch, "uint64", None):
+        wrapped, plain = signed[signed < 0], signed[signed >= 0]
+        hi = int(wrapped.max()) + 2**64
+        lo = int(plain.min()) if plain.numel() else int(wrapped.min()) + 2**64
+    return lo, hi
+
+
 def check_labels(labels: object, b: int, n: int, device: torch.device, *, name: str = "labels") -> Tensor:
     """Integer tensor of shape (b,) with values in [0, n). Reading the range costs one sync."""
     labels = check_int_vector(
         labels, b, device, name=name, meaning="one positive key per query", what="class indices"
     )
-    labels = as_signed(labels)
-    lo, hi = int(labels.min()), int(labels.max())
+    lo, hi = label_range(labels)
     if lo < 0 or hi >= n:
         raise ValueError(f"{name} must index keys in [0, {n}), got values in [{lo}, {hi}]")
-    return labels.long()
+    return as_signed(labels).long()
 
 
 def check_reduction(reduction: object) -> str:

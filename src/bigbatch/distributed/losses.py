@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._validate import as_signed, check_int_vector
+from .._validate import check_int_vector, label_range
 from ..backends.base import TileBackend, compute_dtype
 from .gather import gather_rows_with_grad
 from .ring import Ring, agree, dtype_code, global_value, offsets
@@ -46,7 +46,7 @@ def _local_label_error(labels: Optional[Tensor], b: int, n: int, device: torch.d
         check_int_vector(labels, b, device, name="labels", meaning="one positive key per query", what="global key indices")
     except Exception as exc:  # any local failure is shared below, so no rank is left waiting
         return str(exc), 0.0, 0.0
-    lo, hi = torch.aminmax(as_signed(labels))
+    lo, hi = label_range(labels)
     return None, float(lo), float(hi)
 
 
