@@ -106,6 +106,26 @@ def test_a_module_list_holds_one_model_per_input():
     assert_rel(p.weight.grad, expected[1], 1e-12, "passage")
 
 
+class _Stack(nn.ModuleList):  # a ModuleList subclass with a forward: one model
+    def forward(self, v):
+        for layer in self:
+            v = layer(v)
+        return v
+
+
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
+def test_a_module_list_subclass_with_a_forward_is_one_model(api):
+    m = _Stack([nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)]).to(F64)
+    x, y = torch.randn(6, 6, dtype=F64), torch.randn(6, 6, dtype=F64)
+    expected = torch.autograd.grad(clip(m(x), m(y)), list(m.parameters()))
+    if api == "gradcache":
+        GradCache(m, 4, clip)(x, y)
+    else:
+        clip(cached_encode(m, x, 4), cached_encode(m, y, 4)).backward()
+    for p, e in zip(m.parameters(), expected):
+        assert_rel(p.grad, e, 1e-12, api)
+
+
 @pytest.mark.parametrize("make", [
     lambda m: GradCache(m, 2, clip, get_rep_fn=3),
     lambda m: GradCache(m, 2, clip, split_input_fn="rows"),

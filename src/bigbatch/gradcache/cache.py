@@ -28,7 +28,7 @@ from .chunking import batch_size, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, backprop, encode, finalize_plan
 from .inputs import backward_into_originals, inputs_require_grad, with_boundaries
 from .wrappers import (DDP_SYNC_MODES, check_loss_params_outside_ddp, check_not_fsdp, check_not_parametrize_cached,
-                       ddp_modules, is_ddp, warn_user)
+                       ddp_modules, is_ddp, is_model_list, warn_user)
 
 _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 # Chunk sizes and kept graphs are planned against 95% of the budget (the 5%: allocator rounding and
@@ -167,8 +167,8 @@ class GradCache:
             autocast_dtype = torch.float16
         if not isinstance(models, (nn.Module, list, tuple)):
             raise TypeError(f"models must be an nn.Module or a non-empty list of nn.Modules, got {type(models).__name__}")
-        # an nn.ModuleList holds one model per input (it has no forward of its own), as a list does
-        single = isinstance(models, nn.Module) and not isinstance(models, nn.ModuleList)
+        # an nn.ModuleList without a forward holds one model per input, as a list does
+        single = isinstance(models, nn.Module) and not is_model_list(models)
         self.models: List[nn.Module] = [models] if single else list(models)
         if not self.models or not all(isinstance(m, nn.Module) for m in self.models):
             raise TypeError("models must be an nn.Module or a non-empty list of nn.Modules")

@@ -26,7 +26,7 @@ from .cache import _BUDGET_FRACTION, _identity, check_callables, check_options, 
 from .chunking import batch_size, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, _autocast, backprop, encode, finalize_plan
 from .inputs import Pairs, inputs_require_grad, with_boundaries
-from .wrappers import check_not_fsdp, check_not_parametrize_cached, ddp_modules, is_ddp, warn_user
+from .wrappers import check_not_fsdp, check_not_parametrize_cached, ddp_modules, is_ddp, is_model_list, warn_user
 
 _PROBER = ChunkProber()
 
@@ -131,7 +131,7 @@ def cached_encode(
     Returns:
         (B, ...) representations with a ``grad_fn`` when grad mode is on and a parameter requires grad.
     """
-    if not isinstance(model, nn.Module) or isinstance(model, nn.ModuleList):
+    if not isinstance(model, nn.Module) or is_model_list(model):
         raise TypeError(f"model must be an nn.Module with a forward (one encoder per call), got {type(model).__name__}")
     check_callables(get_rep_fn=get_rep_fn, split_input_fn=split_input_fn)
     check_not_fsdp(model)

@@ -34,6 +34,12 @@ def ddp_modules(model: nn.Module) -> List[DistributedDataParallel]:
     return [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
 
 
+def is_model_list(m: object) -> bool:
+    """An ``nn.ModuleList`` without a forward of its own: a list of models (one per input), not a
+    model (a subclass that defines ``forward`` is one model)."""
+    return isinstance(m, nn.ModuleList) and type(m).forward is nn.Module.forward
+
+
 def warn_user(message: str) -> None:
     """``warnings.warn`` attributed to the first caller outside bigbatch and torch (a GradCache
     step, or the ``loss.backward()`` that reached a cached_encode node), so that each call site is
