@@ -121,6 +121,28 @@ def test_resume_with_only_out_keeps_the_saved_options_and_relative_paths_work(tm
     assert resumed_again["finished"]
 
 
+def test_merged_config_keeps_run_options_and_takes_the_invocations(tmp_path, monkeypatch):
+    """The resuming command's --device/--no-progress/--no-save are its own (a saved --no-progress
+    could not be undone: there is no --progress); the run's --eval-every is kept; a path saved
+    relative by an earlier version is read from the working directory; a hub-style --model name is
+    not made a path."""
+    import dataclasses
+
+    from bigbatch.train.loop import merged_config, with_absolute_paths
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    saved = TrainConfig(data="train.jsonl", out=str(tmp_path / "run"), progress=False, eval_every=3, device="cpu")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps(dataclasses.asdict(saved)))
+    cmd = with_absolute_paths(TrainConfig(data="train.jsonl", out=str(tmp_path / "run")))
+    merged = merged_config(cmd, tmp_path / "run", ["data", "out"])
+    assert merged.progress is True and merged.device == "auto" and merged.eval_every == 3
+    assert merged.data == str(tmp_path / "train.jsonl")
+    hub = "sentence-transformers/all-MiniLM-L6-v2"
+    assert with_absolute_paths(TrainConfig(model=hub)).model == hub
+
+
 def _snapshot(out: Path):
     return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
 

@@ -75,6 +75,8 @@ class TrainConfig:
 
     # Fields that may differ on --resume (they do not change the trajectory).
     RESUMABLE_OVERRIDES = ("device", "progress", "out", "eval_every", "save_every", "save", "backend")
+    # ... of which these belong to the invocation, not the run: always the resuming command's
+    INVOCATION = ("device", "progress", "out", "save")
 
     def peak_lr(self) -> float:
         """``lr``, or the default for the model: 1e-2 (bag: embeddings learn fast) or 5e-5 (transformers)."""
@@ -364,27 +366,31 @@ def merged_config(cfg: TrainConfig, out: Path, explicit: Sequence[str]) -> Train
     """
     saved = json.loads((out / "config.json").read_text(encoding="utf-8"))
     known = {f.name for f in dataclasses.fields(TrainConfig)}
-    merged = TrainConfig(**{k: v for k, v in saved.items() if k in known})
+    # paths saved relative by an earlier version are read from the working directory, as then
+    merged = with_absolute_paths(TrainConfig(**{k: v for k, v in saved.items() if k in known}))
     clashes = [
         f"--{k.replace('_', '-')} {getattr(cfg, k)!r} (saved: {saved.get(k)!r})"
         for k in explicit
-        if k in known and k not in TrainConfig.RESUMABLE_OVERRIDES and getattr(cfg, k) != saved.get(k)
+        if k in known and k not in TrainConfig.RESUMABLE_OVERRIDES and getattr(cfg, k) != getattr(merged, k)
     ]
     if clashes:
         raise RunError("--resume continues the saved run exactly; these options differ from it: " + "; ".join(clashes))
-    # only what this command gives again (the saved --eval-every, --backend, ... otherwise), and
-    # the --out it resumes from
+    # the invocation's own settings, and what this command gives again (the saved --eval-every,
+    # --save-every, --backend otherwise)
     for k in TrainConfig.RESUMABLE_OVERRIDES:
-        if k in explicit or k == "out":
+        if k in explicit or k in TrainConfig.INVOCATION:
             setattr(merged, k, getattr(cfg, k))
     return merged
 
 
 def with_absolute_paths(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with ``--data``, ``--eval-data`` and a ``--model`` directory made absolute, so that
-    the saved run can be resumed (and compared with) from any working directory."""
+    the saved run can be resumed (and compared with) from any working directory. A path that does
+    not exist is left as typed (its error names it so; a hub-style model name is not a path)."""
     def absolute(path: Optional[str], keywords: Sequence[str]) -> Optional[str]:
-        return path if path is None or path in keywords else str(Path(path).expanduser().resolve())
+        if path is None or path in keywords or not Path(path).expanduser().exists():
+            return path
+        return str(Path(path).expanduser().resolve())
 
     return dataclasses.replace(cfg, data=absolute(cfg.data, ("builtin",)), eval_data=absolute(cfg.eval_data, ()),
                                model=absolute(cfg.model, ("bag", "minilm")))
