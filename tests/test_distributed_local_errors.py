@@ -164,6 +164,7 @@ def test_cuda_features_on_a_gloo_group():
 def _grad_chunk_cases(rank: int, world: int):
     from bigbatch.backends import resolve_backend
     from bigbatch.distributed import ring_clip_loss, ring_infonce_loss
+    from bigbatch.distributed.softmax import grad_chunk_rows
 
     torch.manual_seed(rank)
     q = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
@@ -171,7 +172,8 @@ def _grad_chunk_cases(rank: int, world: int):
     backend = resolve_backend("torch", q.device, q.dtype)
     out = []
     for fn in (ring_clip_loss, ring_infonce_loss):
-        for chunks in ((2, 3), (2, 0)):
+        # different, invalid on rank 1, and the default given explicitly on one rank only (equivalent)
+        for chunks in ((2, 3), (2, 0), (None, grad_chunk_rows(3))):
             try:
                 fn(q, k, torch.tensor(5.0, dtype=torch.float64), group=dist.group.WORLD, backend=backend,
                    grad_chunk=chunks[rank]).backward()
@@ -187,6 +189,7 @@ def test_grad_chunk_is_checked_and_agreed_on_every_rank():
     made gloo abort the processes (messages of different sizes), and an invalid value on one rank
     raised there only (after the exchange) while the other waited in the ring."""
     for out in run_gloo(_grad_chunk_cases, 2, timeout=120.0):
-        for differ, invalid in (out[0:2], out[2:4]):
+        for differ, invalid, default in (out[0:3], out[3:6]):
             assert "grad_chunk must be the same on every rank" in differ, differ
             assert "rank(s) [1]" in invalid and "grad_chunk must be a positive int" in invalid, invalid
+            assert default == "no error", default

@@ -93,9 +93,11 @@ def _agree(ring: Ring, q: Tensor, k: Tensor, scale: Tensor, *, kind: str, reduct
         "dim": float(q.shape[1]),
         "dtype": float(dtype_code(q.dtype)),
         "scale": float(scale.detach()),
-        # the backward's messages are cut by it: ranks with different values would exchange
-        # messages of different sizes (gloo aborts the process)
-        "grad_chunk": float(grad_chunk or 0) if local_error is None else 0.0,
+        # the ring's backward messages are cut by it (the default follows D, agreed above): ranks
+        # with different values would exchange messages of different sizes (gloo aborts the
+        # process); the gather path does not use it
+        "grad_chunk": float(grad_chunk or grad_chunk_rows(q.shape[1]))
+        if local_error is None and not isinstance(path, str) else 0.0,
         "q_rows": float(q.shape[0]),
         "k_rows": float(k.shape[0]),
         "has_labels": 1.0 if has_labels else 0.0,
