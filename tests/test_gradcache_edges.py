@@ -812,3 +812,29 @@ def test_lazy_module_initialised_in_the_first_cached_step(api):
     for p, r in zip(m.parameters(), ref.parameters()):
         assert torch.equal(p, r)
         assert_rel(p.grad, r.grad, 1e-12, f"lazy module via {api}")
+
+
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
+def test_lazy_batchnorm_with_a_budget_keeps_the_probe_out_of_its_statistics(api):
+    """The budget's probe materialised a LazyBatchNorm inside its forwards and left their batches in
+    the running statistics (materialised buffers are restored; lazy ones were not)."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 6, dtype=F64), nn.LazyBatchNorm1d(dtype=F64), nn.Linear(6, 4, dtype=F64))
+
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(64, 5, generator=g, dtype=F64) + 3, torch.randn(64, 5, generator=g, dtype=F64) - 2
+    m, ref = make(), make()
+    if api == "gradcache":
+        gc = GradCache(m, loss_fn=clip, memory_budget="20MB")
+        gc(x, y)
+        rows = [r[0] for r in gc.last_chunk_rows]
+        assert all(len(r) == 1 for r in gc.last_chunk_rows)
+    else:
+        clip(cached_encode(m, x, memory_budget="20MB"), cached_encode(m, y, memory_budget="20MB")).backward()
+        rows = [64, 64]
+    clip(ref(x[:rows[0]]), ref(y[:rows[1]])).backward()
+    for name, b in m[1].named_buffers():
+        assert torch.equal(b, dict(ref[1].named_buffers())[name]), name
+    for p, r in zip(m.parameters(), ref.parameters()):
+        assert_rel(p.grad, r.grad, 1e-12, api)

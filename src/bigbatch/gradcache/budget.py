@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from .buffers import buffers_restored
+from .lazy import buffers_reset_after
 from .chunking import (batch_size, call_model, check_not_detached, map_tensors, model_device, split_batch,
                        tensor_leaves, to_device)
 from .rng import forked_rng, model_cuda_devices
@@ -249,7 +250,7 @@ class ChunkProber:
         params = [p for p in model.parameters() if p.requires_grad]  # empty: a frozen model
         device = model_device(model)
         devices = model_cuda_devices(model)
-        with forked_rng(devices), buffers_restored([model]), torch.enable_grad():
+        with forked_rng(devices), buffers_restored([model]), buffers_reset_after([model]), torch.enable_grad():
             def measure(c: int, by_grad: bool) -> Tuple[float, float, float]:
                 # the chunk's tensors that require grad become leaves of the probe's own
                 # copies (a few rows): a forward that writes its input in place must not touch the batch

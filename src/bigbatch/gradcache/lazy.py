@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, Iterator, List, Sequence
 
+import torch
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
@@ -97,3 +98,34 @@ def skipping_inits(models: Sequence[nn.Module], after: Dict[int, RngState]) -> I
     finally:
         for h in handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def buffers_reset_after(models: Sequence[nn.Module]) -> Iterator[None]:
+    """Around forwards that must leave no trace (the memory probe): a lazy module that materialises
+    in the body gets its buffers (``LazyBatchNorm``'s running statistics) put back, on exit, to
+    their values right after initialisation, before any forward updated them. (Buffers that were
+    already materialised are the caller's to restore: ``buffers.buffers_restored``.)"""
+    modules = _uninitialised(models)
+    if not modules:
+        yield
+        return
+    fresh: Dict[int, Dict[str, object]] = {}
+
+    def snapshot(module, args):  # after LazyModuleMixin's own pre-hook: initialised, not yet run
+        if id(module) not in fresh and not _pending(module):
+            fresh[id(module)] = {n: b.detach().clone() for n, b in module.named_buffers(recurse=False)
+                                 if b is not None}
+
+    handles = [m.register_forward_pre_hook(snapshot) for m in modules]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for m in modules:
+            for name, value in fresh.get(id(m), {}).items():
+                buf = getattr(m, name, None)
+                if buf is not None and buf.shape == value.shape:
+                    with torch.no_grad():
+                        buf.copy_(value)
