@@ -838,3 +838,56 @@ def test_lazy_batchnorm_with_a_budget_keeps_the_probe_out_of_its_statistics(api)
         assert torch.equal(b, dict(ref[1].named_buffers())[name]), name
     for p, r in zip(m.parameters(), ref.parameters()):
         assert_rel(p.grad, r.grad, 1e-12, api)
+
+
+def _two_calls(api: str, m: nn.Module, x, y):
+    """(loss, finish): the cached forwards of x and y through ``api``; ``finish()`` back-propagates."""
+    from bigbatch.gradcache import cached
+
+    if api == "cached_encode":
+        loss = clip(cached_encode(m, x, 2), cached_encode(m, y, 2))
+        return loss, loss.backward
+    enc = cached(lambda model, v: model(v))
+    (rx, fx), (ry, fy) = enc(m, x), enc(m, y)
+    loss = clip(rx, ry)
+
+    def finish():
+        loss.backward()
+        fx(rx)
+        fy(ry)
+
+    return loss, finish
+
+
+@pytest.mark.parametrize("api", ["cached_encode", "functional"])
+def test_parameter_modified_between_cached_forward_and_backward_is_an_error(api):
+    """The re-run would use the new weights: a gradient of another forward than the loss's (50% off
+    in the report), where a plain graph raises."""
+    m = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 4)).to(F64)
+    x, y = torch.randn(4, 5, dtype=F64), torch.randn(4, 5, dtype=F64)
+    loss, finish = _two_calls(api, m, x, y)
+    with torch.no_grad():
+        m[2].weight.mul_(1.5)
+    with pytest.raises(RuntimeError, match=r"modified in place after .*\(2\.weight"):
+        finish()
+
+
+@pytest.mark.parametrize("api", ["cached_encode", "functional"])
+def test_eval_mode_between_cached_forward_and_backward_changes_nothing(api):
+    """A plain graph's backward does not look at module modes; the re-run took the eval path (no
+    dropout) and gave another gradient (57% off). It now runs in the first forward's modes, and
+    the caller's modes are left as they set them."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.5), nn.Linear(8, 4)).to(F64)
+    x, y = torch.randn(4, 5, dtype=F64), torch.randn(4, 5, dtype=F64)
+    torch.manual_seed(1)
+    rows = 2 if api == "cached_encode" else 4
+    want = torch.autograd.grad(clip(torch.cat([m(c) for c in x.split(rows)]), torch.cat([m(c) for c in y.split(rows)])),
+                               list(m.parameters()))
+    torch.manual_seed(1)
+    loss, finish = _two_calls(api, m, x, y)
+    m.eval()
+    finish()
+    assert not m.training and not m[1].training
+    for p, w in zip(m.parameters(), want):
+        assert_rel(p.grad, w, 1e-12, api)

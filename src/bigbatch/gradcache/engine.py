@@ -33,6 +33,7 @@ from .accumulate import GradAccumulation
 from .buffers import BufferStates, buffers_restored, recording, restoring
 from .chunking import call_model, check_not_detached, model_device, staged, tensor_leaves
 from .lazy import LazyInits, skipping_inits
+from .model_state import ModelState
 from .rng import RngState, cuda_devices_of, model_cuda_devices
 from .wrappers import check_same_sync_count, sync_context
 
@@ -56,6 +57,8 @@ class Unit:
     ddps: Sequence[nn.Module] = ()
     # lazy modules its pass-1 forward initialised: id -> random state right after (lazy.py)
     lazy_after: Optional[Dict[int, RngState]] = None
+    # its model's modes and parameter versions at the end of pass 1 (model_state.py)
+    state: Optional[ModelState] = None
 
 
 @dataclass
@@ -228,6 +231,9 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
                     u.buffers = (states, record["record"])
                     u.written = written
                 per_input[i].append(rep.to("cpu", non_blocking=False) if opts.offload_reps else rep)
+    model_states = {id(m): ModelState(m) for m in _distinct([u.model for u in units])}
+    for u in units:
+        u.state = model_states[id(u.model)]
     out = []
     for i, reps in enumerate(per_input):
         if not reps:
@@ -292,6 +298,8 @@ def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: Eng
     """Pass 2. ``grads[i]`` is d(loss)/d(representation of input i), (B_i, ...), or ``None`` (no
     gradient). Returns (chunks that received a gradient, of those whose forward built a graph: a
     chunk without one used no trainable tensor and sends nothing)."""
+    for state in {id(u.state): u.state for u in units if u.state is not None}.values():
+        state.check_params("the cached forward")
     slices = grad_slices(units, grads, opts)
     sent, graphs = backprop_kept(units, slices, opts)
     # Buffers: each re-run starts from what its pass-1 forward saw (BufferStates); afterwards all
@@ -315,8 +323,10 @@ def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tens
     if opts.ddp_sync == "every_chunk" and units[rerun[0]].ddps:
         check_same_sync_count(units[rerun[0]].ddps, len(rerun))
     # As in pass 1, one autocast context (one weight cast) for every re-run chunk of the model;
-    # each chunk's backward runs with autocast off, as it would outside the context.
-    with amp():
+    # each chunk's backward runs with autocast off, as it would outside the context. The modules
+    # in their pass-1 modes (a model.eval() before cached_encode's backward changes nothing).
+    modes = units[rerun[0]].state.modes_restored() if units[rerun[0]].state is not None else contextlib.nullcontext()
+    with amp(), modes:
         for n, (k, chunk) in enumerate(zip(rerun, staged([units[k].chunk for k in rerun], device, opts.offload_inputs))):
             u = units[k]
             sync = n == len(rerun) - 1 or opts.ddp_sync == "every_chunk"

@@ -35,6 +35,7 @@ call did (``nn.utils.spectral_norm``'s vectors). Call signatures are the public 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, List, Sequence, Tuple, Union
 
@@ -45,6 +46,7 @@ from .buffers import BufferStates, buffers_restored, recording, restoring
 from .chunking import tensor_leaves
 from .engine import Written, compact, grad_mode_dependent
 from .lazy import LazyInits, skipping_inits
+from .model_state import ModelState
 from .rng import RngState, cuda_devices_of
 from .wrappers import check_not_parametrize_cached
 
@@ -102,6 +104,7 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
             out = func(*args, **kwargs)
         written.check(rerun=True)
         record = box["record"]
+        model_states = [ModelState(m) for m in modules]  # modes and parameter versions, as this call left them
         first = _as_tuple(out, func.__name__)
         # compact: a view such as out[:, 0] would keep the sub-batch's whole output alive
         leaves = tuple(compact(t).requires_grad_(t.is_floating_point()) for t in first)
@@ -121,17 +124,28 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
                     "the loss's backward, with the tensors the decorated call returned"
                 )
             written.check_before_rerun()
-            with buffers_restored(modules), restoring(states, record, modules):
-                with torch.enable_grad(), rng.replay(), _AutocastReplay(amp), skipping_inits(modules, lazy_after):
-                    again = _as_tuple(func(*args, **kwargs), func.__name__)
-                pairs = [(t, g) for t, g in zip(again, grads) if g is not None and t.requires_grad]
-                if pairs:
-                    torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])
+            for state in model_states:
+                state.check_params(f"the cached call of {func.__name__}")
+            with contextlib.ExitStack() as modes:
+                for state in model_states:
+                    modes.enter_context(state.modes_restored())
+                _rerun(modules, states, record, rng, amp, lazy_after, func, args, kwargs, grads)
             spent[0] = True
 
         return (*leaves, forward_backward)  # as the public package: rep(s) first, the closure last
 
     return cache_func
+
+
+def _rerun(modules, states, record, rng, amp, lazy_after, func, args, kwargs, grads) -> None:
+    """The closure's re-run of ``func`` under the first call's buffers, random and autocast state,
+    and the back-propagation of ``grads`` (the representations' gradients) into it."""
+    with buffers_restored(modules), restoring(states, record, modules):
+        with torch.enable_grad(), rng.replay(), _AutocastReplay(amp), skipping_inits(modules, lazy_after):
+            again = _as_tuple(func(*args, **kwargs), func.__name__)
+        pairs = [(t, g) for t, g in zip(again, grads) if g is not None and t.requires_grad]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])
 
 
 class _AutocastReplay:

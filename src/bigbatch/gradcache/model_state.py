@@ -1,0 +1,52 @@
+"""What a model's re-run must see again besides its random state and buffers: the modules'
+train/eval modes and the parameters' values.
+
+Between a chunk's first forward and its re-run there may be user code (``cached_encode`` returns
+before the caller's backward; functional ``cached`` closures run later). A plain graph is
+unaffected by ``model.eval()`` there (its backward does not look at modes) and raises when a saved
+weight was modified in place; a re-run would silently take the eval path (no dropout) or use the
+new weights. So the re-run runs under the modes of the first forward, and a parameter modified in
+place in between is an error, as for a plain graph.
+
+Cost per model and step: one walk over its modules and parameters when recorded, one when
+checked (a few hundred attribute reads for BERT-base; no device work).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, List, Tuple
+
+from torch import Tensor, nn
+
+
+class ModelState:
+    """The modes and parameter versions of ``model`` now (at the end of its first forward)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.modes: List[Tuple[nn.Module, bool]] = [(m, m.training) for m in model.modules()]
+        self.params: List[Tuple[str, Tensor, int]] = [(n, p, p._version) for n, p in model.named_parameters()]
+
+    def check_params(self, what: str) -> None:
+        """Raise if a parameter was modified in place since (``what``: the call that encoded)."""
+        changed = [n for n, p, v in self.params if p._version != v]
+        if changed:
+            names = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+            raise RuntimeError(
+                f"parameters of the encoder were modified in place after {what} and before the backward "
+                f"({names}: an optimizer step, weight.mul_(), ...); the chunks would be re-run with the new "
+                "values, a gradient of another forward than the loss's (a plain graph raises here too): "
+                "back-propagate first, then update the parameters")
+
+    @contextlib.contextmanager
+    def modes_restored(self) -> Iterator[None]:
+        """Run the body with every module in the mode of the first forward (a ``model.eval()`` in
+        between would make the re-run skip dropout); the modes of now are put back on exit."""
+        differ = [(m, was) for m, was in self.modes if m.training != was]
+        for m, was in differ:
+            m.training = was
+        try:
+            yield
+        finally:
+            for m, was in differ:
+                m.training = not was
