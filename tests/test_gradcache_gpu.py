@@ -215,3 +215,35 @@ def test_model_split_over_two_gpus_replays_both_generators(api):
     for p, r in zip(m.parameters(), ref):
         assert ((p.grad - r).norm() / r.norm()).item() < 1e-12
     assert all(torch.equal(a, b) for a, b in zip(streams(), ref_streams))
+
+
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
+def test_lazy_module_with_cuda_dropout_and_eval_before_backward(api):
+    """The lazy layer initialises on the GPU inside pass 1 (drawing from the CUDA generator) and,
+    for cached_encode, the caller switches to eval before the backward: the same weights and
+    gradients as a plain forward over the same chunks (session 8 fixes, CPU-tested elsewhere)."""
+    import copy
+
+    from torch import nn
+
+    def make():
+        return nn.Sequential(nn.Dropout(0.3), nn.LazyLinear(16, device=DEV, dtype=torch.float64), nn.Tanh(),
+                             nn.Dropout(0.3), nn.Linear(16, 8, device=DEV, dtype=torch.float64))
+
+    g = torch.Generator().manual_seed(3)
+    x, y = (torch.randn(12, 6, generator=g, dtype=torch.float64).to(DEV) for _ in range(2))
+    torch.manual_seed(0)
+    m = make()
+    ref = copy.deepcopy(m)
+    torch.manual_seed(5)
+    if api == "gradcache":
+        GradCache(m, 4, lambda a, b: bigbatch.clip_loss(a, b, 3.0))(x, y)
+    else:
+        loss = bigbatch.clip_loss(cached_encode(m, x, 4), cached_encode(m, y, 4), 3.0)
+        m.eval()
+        loss.backward()
+    torch.manual_seed(5)
+    bigbatch.clip_loss(torch.cat([ref(c) for c in x.split(4)]), torch.cat([ref(c) for c in y.split(4)]), 3.0).backward()
+    for p, r in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p, r)
+        assert rel(p.grad, r.grad) < 1e-12
