@@ -33,9 +33,10 @@ def refuse_create_graph(what: str, instead: str) -> None:
 
 
 def refuse_batched(what: str, instead: str, grads: Any) -> None:
-    """Raise if the backward runs under vmap (``autograd.grad(..., is_grads_batched=True)``,
-    ``torch.func.jacrev``): tiles accumulated in place cannot carry a batch of gradients, and the
-    failure deep inside would name an internal op."""
+    """Raise if the backward runs on batched gradients (``autograd.grad(..., is_grads_batched=True)``,
+    which vmaps the backward): tiles accumulated in place cannot carry a batch of gradients, and
+    the failure deep inside would name an internal op. (``torch.func`` transforms stop earlier, at
+    torch's own error for Functions without ``setup_context``.)"""
     functorch = getattr(torch._C, "_functorch", None)
     # is_grads_batched uses the legacy batching; torch.func.vmap the functorch one
     checks = [getattr(functorch, n, None) for n in ("is_legacy_batchedtensor", "is_batchedtensor")]

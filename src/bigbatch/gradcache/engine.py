@@ -33,7 +33,7 @@ from .accumulate import GradAccumulation
 from .buffers import BufferStates, buffers_restored, recording, restoring
 from .chunking import call_model, check_not_detached, model_device, staged, tensor_leaves
 from .lazy import LazyInits, skipping_inits
-from .model_state import ModelState
+from .model_state import ModelState, param_versions
 from .rng import RngState, cuda_devices_of, model_cuda_devices
 from .wrappers import check_same_sync_count, sync_context
 
@@ -209,6 +209,7 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
     """Pass 1. Returns one detached (B_i, ...) representation tensor per input, on the model's device."""
     per_input: List[List[Tensor]] = [[] for _ in range(n_inputs)]
     states = BufferStates(_distinct([u.model for u in units]))
+    versions = {id(m): param_versions(m) for m in _distinct([u.model for u in units])}
     for i in range(n_inputs):
         mine = [u for u in units if u.input_index == i]
         if not mine:
@@ -231,7 +232,7 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
                     u.buffers = (states, record["record"])
                     u.written = written
                 per_input[i].append(rep.to("cpu", non_blocking=False) if opts.offload_reps else rep)
-    model_states = {id(m): ModelState(m) for m in _distinct([u.model for u in units])}
+    model_states = {id(m): ModelState(m, versions[id(m)]) for m in _distinct([u.model for u in units])}
     for u in units:
         u.state = model_states[id(u.model)]
     out = []

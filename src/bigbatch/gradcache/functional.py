@@ -46,7 +46,7 @@ from .buffers import BufferStates, buffers_restored, recording, restoring
 from .chunking import tensor_leaves
 from .engine import Written, compact, grad_mode_dependent
 from .lazy import LazyInits, skipping_inits
-from .model_state import ModelState
+from .model_state import ModelState, param_versions
 from .rng import RngState, cuda_devices_of
 from .wrappers import check_not_parametrize_cached
 
@@ -99,12 +99,14 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
         # grad mode off, as the public package; on (graph dropped) where a module's forward would
         # take another path without it (engine.grad_mode_dependent), so the re-run matches
         written = Written((list(args), kwargs))
+        versions = [param_versions(m) for m in modules]
         with recording(states, modules) as box, torch.set_grad_enabled(any(map(grad_mode_dependent, modules))), \
                 LazyInits(modules).recording(rng.devices) as lazy_after:
             out = func(*args, **kwargs)
         written.check(rerun=True)
         record = box["record"]
-        model_states = [ModelState(m) for m in modules]  # modes and parameter versions, as this call left them
+        # modes and parameter versions, as this call left them (those it modified itself not checked)
+        model_states = [ModelState(m, v) for m, v in zip(modules, versions)]
         first = _as_tuple(out, func.__name__)
         # compact: a view such as out[:, 0] would keep the sub-batch's whole output alive
         leaves = tuple(compact(t).requires_grad_(t.is_floating_point()) for t in first)

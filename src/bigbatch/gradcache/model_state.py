@@ -15,17 +15,34 @@ checked (a few hundred attribute reads for BERT-base; no device work).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
+
+
+def param_versions(model: nn.Module) -> Dict[int, int]:
+    """``id(parameter) -> version`` of ``model``'s parameters (inference tensors have none)."""
+    return {id(p): p._version for p in model.parameters() if _versioned(p)}
+
+
+def _versioned(p: Tensor) -> bool:
+    """Has a version counter: not an inference tensor, nor a lazy parameter not materialised yet."""
+    return not is_lazy(p) and not p.is_inference()
 
 
 class ModelState:
-    """The modes and parameter versions of ``model`` now (at the end of its first forward)."""
+    """The modes and parameter versions of ``model`` now (at the end of its first forward).
 
-    def __init__(self, model: nn.Module) -> None:
+    ``before``: the versions when that forward began (:func:`param_versions`); a parameter the
+    forward itself modified in place (weight clipping, an EMA update under ``no_grad``) is modified
+    again by every forward, the re-run's included, so it is not checked."""
+
+    def __init__(self, model: nn.Module, before: Optional[Dict[int, int]] = None) -> None:
         self.modes: List[Tuple[nn.Module, bool]] = [(m, m.training) for m in model.modules()]
-        self.params: List[Tuple[str, Tensor, int]] = [(n, p, p._version) for n, p in model.named_parameters()]
+        self.params: List[Tuple[str, Tensor, int]] = [
+            (n, p, p._version) for n, p in model.named_parameters()
+            if _versioned(p) and (before is None or before.get(id(p)) == p._version)]
 
     def check_params(self, what: str) -> None:
         """Raise if a parameter was modified in place since (``what``: the call that encoded)."""
@@ -34,9 +51,9 @@ class ModelState:
             names = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
             raise RuntimeError(
                 f"parameters of the encoder were modified in place after {what} and before the backward "
-                f"({names}: an optimizer step, weight.mul_(), ...); the chunks would be re-run with the new "
-                "values, a gradient of another forward than the loss's (a plain graph raises here too): "
-                "back-propagate first, then update the parameters")
+                f"({names}; e.g. an optimizer step): the chunks would be re-run with the new values, a "
+                "gradient of another forward than the loss's (a plain graph raises where it saved such a "
+                "weight): back-propagate first, then update the parameters")
 
     @contextlib.contextmanager
     def modes_restored(self) -> Iterator[None]:
