@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
+from .hooks import forward_pre_hooks
 from .wrappers import is_ddp
 
 
@@ -269,12 +270,8 @@ def _at_forward_start(models: Sequence[nn.Module], fn: Callable[[], None]) -> It
 
     # a TorchScript module takes no hooks: its record is the one taken just before its forward
     targets = [m.module if is_ddp(m) else m for m in models]
-    handles = [m.register_forward_pre_hook(hook, prepend=True) for m in targets if not isinstance(m, torch.jit.ScriptModule)]
-    try:
+    with forward_pre_hooks([(m, hook, True) for m in targets if not isinstance(m, torch.jit.ScriptModule)]):
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from .hooks import forward_pre_hooks
 from .rng import RngState
 
 
@@ -65,15 +66,10 @@ class LazyInits:
             if pending.pop(id(module), False) and not _pending(module) and id(module) not in after:
                 after[id(module)] = RngState(devices)
 
-        handles = []
         try:
-            for m in self.modules:
-                handles.append(m.register_forward_pre_hook(before, prepend=True))
-                handles.append(m.register_forward_pre_hook(done))
-            yield after
+            with forward_pre_hooks([(m, before, True) for m in self.modules] + [(m, done, False) for m in self.modules]):
+                yield after
         finally:
-            for h in handles:
-                h.remove()
             self.modules = [m for m in self.modules if _pending(m)]
 
 
@@ -92,12 +88,8 @@ def skipping_inits(models: Sequence[nn.Module], after: Dict[int, RngState]) -> I
             state.restore()
 
     modules = {id(m): m for model in models for m in model.modules() if id(m) in todo}
-    handles = [m.register_forward_pre_hook(jump, prepend=True) for m in modules.values()]
-    try:
+    with forward_pre_hooks([(m, jump, True) for m in modules.values()]):
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @contextlib.contextmanager
@@ -117,12 +109,10 @@ def buffers_reset_after(models: Sequence[nn.Module]) -> Iterator[None]:
             fresh[id(module)] = {n: b.detach().clone() for n, b in module.named_buffers(recurse=False)
                                  if b is not None}
 
-    handles = [m.register_forward_pre_hook(snapshot) for m in modules]
     try:
-        yield
+        with forward_pre_hooks([(m, snapshot, False) for m in modules]):
+            yield
     finally:
-        for h in handles:
-            h.remove()
         for m in modules:
             for name, value in fresh.get(id(m), {}).items():
                 buf = getattr(m, name, None)
