@@ -208,8 +208,9 @@ def _first_run(u: Unit, chunk: Any, opts: EngineOptions, devices: List[int], mir
 def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Tensor]:
     """Pass 1. Returns one detached (B_i, ...) representation tensor per input, on the model's device."""
     per_input: List[List[Tensor]] = [[] for _ in range(n_inputs)]
-    states = BufferStates(_distinct([u.model for u in units]))
-    versions = {id(m): param_versions(m) for m in _distinct([u.model for u in units])}
+    models = _distinct([u.model for u in units])
+    states = BufferStates(models)
+    versions = {id(m): param_versions(m) for m in models}
     for i in range(n_inputs):
         mine = [u for u in units if u.input_index == i]
         if not mine:
@@ -232,7 +233,7 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
                     u.buffers = (states, record["record"])
                     u.written = written
                 per_input[i].append(rep.to("cpu", non_blocking=False) if opts.offload_reps else rep)
-    model_states = {id(m): ModelState(m, versions[id(m)]) for m in _distinct([u.model for u in units])}
+    model_states = {id(m): ModelState(m, versions[id(m)]) for m in models}
     for u in units:
         u.state = model_states[id(u.model)]
     out = []

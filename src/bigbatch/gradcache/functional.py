@@ -128,26 +128,22 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
             written.check_before_rerun()
             for state in model_states:
                 state.check_params(f"the cached call of {func.__name__}")
-            with contextlib.ExitStack() as modes:
+            # the first call's modes, buffers, random and autocast state; then its gradients back
+            with contextlib.ExitStack() as stack:
                 for state in model_states:
-                    modes.enter_context(state.modes_restored())
-                _rerun(modules, states, record, rng, amp, lazy_after, func, args, kwargs, grads)
+                    stack.enter_context(state.modes_restored())
+                stack.enter_context(buffers_restored(modules))
+                stack.enter_context(restoring(states, record, modules))
+                with torch.enable_grad(), rng.replay(), _AutocastReplay(amp), skipping_inits(modules, lazy_after):
+                    again = _as_tuple(func(*args, **kwargs), func.__name__)
+                pairs = [(t, g) for t, g in zip(again, grads) if g is not None and t.requires_grad]
+                if pairs:
+                    torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])
             spent[0] = True
 
         return (*leaves, forward_backward)  # as the public package: rep(s) first, the closure last
 
     return cache_func
-
-
-def _rerun(modules, states, record, rng, amp, lazy_after, func, args, kwargs, grads) -> None:
-    """The closure's re-run of ``func`` under the first call's buffers, random and autocast state,
-    and the back-propagation of ``grads`` (the representations' gradients) into it."""
-    with buffers_restored(modules), restoring(states, record, modules):
-        with torch.enable_grad(), rng.replay(), _AutocastReplay(amp), skipping_inits(modules, lazy_after):
-            again = _as_tuple(func(*args, **kwargs), func.__name__)
-        pairs = [(t, g) for t, g in zip(again, grads) if g is not None and t.requires_grad]
-        if pairs:
-            torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])
 
 
 class _AutocastReplay:

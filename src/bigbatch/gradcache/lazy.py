@@ -46,9 +46,6 @@ class LazyInits:
     def __init__(self, models: Sequence[nn.Module]) -> None:
         self.modules = _uninitialised(models)
 
-    def __bool__(self) -> bool:
-        return bool(self.modules)
-
     @contextlib.contextmanager
     def recording(self, devices: Sequence[int]) -> Iterator[Dict[int, RngState]]:
         """Around one pass-1 forward: yields ``{id(module): random state right after its
