@@ -32,11 +32,20 @@ def refuse_create_graph(what: str, instead: str) -> None:
         )
 
 
+def _compiling() -> bool:
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling()) if is_compiling is not None else False
+
+
 def refuse_batched(what: str, instead: str, grads: Any) -> None:
     """Raise if the backward runs on batched gradients (``autograd.grad(..., is_grads_batched=True)``,
     which vmaps the backward): tiles accumulated in place cannot carry a batch of gradients, and
     the failure deep inside would name an internal op. (``torch.func`` transforms stop earlier, at
-    torch's own error for Functions without ``setup_context``.)"""
+    torch's own error for Functions without ``setup_context``.) Skipped while dynamo traces the
+    backward (``torch.compile``): it cannot trace the functorch queries, and a compiled backward
+    is never a batched one."""
+    if _compiling():
+        return
     functorch = getattr(torch._C, "_functorch", None)
     # is_grads_batched uses the legacy batching; torch.func.vmap the functorch one
     checks = [getattr(functorch, n, None) for n in ("is_legacy_batchedtensor", "is_batchedtensor")]
