@@ -87,9 +87,7 @@ def test_resume_continues_exactly(tmp_path, data, loss):
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
-    strip = lambda p: [{k: v for k, v in r.items() if k not in ("examples_per_s", "memory_mb", "step_s")}  # noqa: E731
-                       for r in map(json.loads, p.read_text().splitlines())]
-    assert strip(tmp_path / "a" / "metrics.jsonl") == strip(tmp_path / "b" / "metrics.jsonl")
+    assert _metrics(tmp_path / "a" / "metrics.jsonl") == _metrics(tmp_path / "b" / "metrics.jsonl")
 
 
 def test_resume_with_only_out_keeps_the_saved_options_and_relative_paths_work(tmp_path, data, monkeypatch):
@@ -257,6 +255,22 @@ def test_cli_help_and_bench_dispatch(capsys):
     assert main([]) == 2
 
 
+def test_gpu_benchmark_refuses_without_cuda_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    """Without CUDA and without --cpu/--tiny, bench gradcache refuses (it would otherwise write the
+    committed H200 results file with CPU numbers); nonsense sizes are argument errors."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "gradcache"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not any((tmp_path / "benchmarks" / "results").iterdir())
+    for bad in (["--repeat", "0"], ["--batches", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "gradcache", "--cpu", *bad])
+        assert e.value.code == 2
+    assert "must be positive" in capsys.readouterr().err
+
+
 def _dist_worker(rank, world, data_path, eval_path, out):
     cfg = TrainConfig(data=data_path, eval_data=eval_path, batch_size=64, chunk_size=16, steps=2, lr=0.02,
                       buckets=4096, dim=32, max_length=16, progress=False, out=out, device="cpu")
@@ -295,8 +309,16 @@ def test_hf_model_minilm_runs(tmp_path, data):
     assert any(k.startswith("encoder.model.") for k in weights)
 
 
-def test_ctrl_c_saves_and_resume_is_exact(tmp_path, data, monkeypatch):
-    """Ctrl-C during step 4 checkpoints step 3 (with the RNG of that boundary); resuming matches a whole run."""
+def _metrics(path):
+    """metrics.jsonl's records without the timing fields."""
+    return [{k: v for k, v in r.items() if k not in ("examples_per_s", "memory_mb", "step_s")}
+            for r in map(json.loads, path.read_text().splitlines())]
+
+
+@pytest.mark.parametrize("at", [3, 0])
+def test_ctrl_c_saves_and_resume_is_exact(tmp_path, data, monkeypatch, at):
+    """Ctrl-C during step ``at + 1`` checkpoints step ``at`` (with the RNG of that boundary); resuming
+    matches a whole run: weights, and the metrics log (step 0's evaluation is not logged twice)."""
     import bigbatch.train.loop as loop
 
     base = dict(data=str(data[0]), eval_data=str(data[1]), batch_size=64, chunk_size=16, steps=6, lr=0.02,
@@ -304,19 +326,45 @@ def test_ctrl_c_saves_and_resume_is_exact(tmp_path, data, monkeypatch):
     train(TrainConfig(**base, out=str(tmp_path / "a")), log=lambda s: None)
     real = loop.lr_at
 
-    def interrupt_at_3(step, *a):
-        if step == 3:
+    def interrupt(step, *a):
+        if step == at:
             raise KeyboardInterrupt
         return real(step, *a)
 
-    monkeypatch.setattr(loop, "lr_at", interrupt_at_3)
+    monkeypatch.setattr(loop, "lr_at", interrupt)
     with pytest.raises(KeyboardInterrupt):
         train(TrainConfig(**base, out=str(tmp_path / "b")), log=lambda s: None)
-    assert (tmp_path / "b" / "checkpoints" / "latest").read_text() == "step-00000003"
+    assert (tmp_path / "b" / "checkpoints" / "latest").read_text() == f"step-{at:08d}"
     monkeypatch.setattr(loop, "lr_at", real)
     train(TrainConfig(**base, out=str(tmp_path / "b")), resume=True, log=lambda s: None)
     wa, wb = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert _metrics(tmp_path / "a" / "metrics.jsonl") == _metrics(tmp_path / "b" / "metrics.jsonl")
+
+
+def test_ctrl_c_in_the_first_evaluation_leaves_nothing_and_no_checkpoint_means_no_resume_advice(tmp_path, data,
+                                                                                              capsys, monkeypatch):
+    """A fresh run stopped in its untrained evaluation removes what it wrote: the same command runs
+    again without --overwrite. A finished --no-save run has no checkpoint: the error advises
+    --overwrite only, not a --resume that would fail."""
+    import bigbatch.train.loop as loop
+
+    out = tmp_path / "run"
+    common = ["--data", data[0], "--eval-data", data[1], "--batch-size", 64, "--chunk-size", 32, "--steps", 1,
+              "--out", out]
+
+    def stop(*a, **kw):
+        raise KeyboardInterrupt
+
+    real = loop.evaluate
+    monkeypatch.setattr(loop, "evaluate", stop)
+    assert _run(*common) == 130
+    assert not any(out.iterdir())
+    monkeypatch.setattr(loop, "evaluate", real)
+    assert _run(*common, "--no-save") == 0
+    assert _run(*common) == 2
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and "--resume" not in err and "no checkpoint" in err
 
 
 def test_ctrl_c_during_an_evaluation_is_logged_on_resume(tmp_path, data, monkeypatch):
@@ -340,9 +388,7 @@ def test_ctrl_c_during_an_evaluation_is_logged_on_resume(tmp_path, data, monkeyp
         train(TrainConfig(**base, out=str(tmp_path / "b")), log=lambda s: None)
     monkeypatch.setattr(loop, "evaluate", real)
     resumed = train(TrainConfig(**base, out=str(tmp_path / "b")), resume=True, log=lambda s: None)
-    strip = lambda p: [{k: v for k, v in r.items() if k not in ("examples_per_s", "memory_mb", "step_s")}  # noqa: E731
-                       for r in map(json.loads, p.read_text().splitlines())]
-    assert strip(tmp_path / "a" / "metrics.jsonl") == strip(tmp_path / "b" / "metrics.jsonl")
+    assert _metrics(tmp_path / "a" / "metrics.jsonl") == _metrics(tmp_path / "b" / "metrics.jsonl")
     assert resumed["after"] == json.loads((tmp_path / "a" / "results.json").read_text())["after"]
 
 

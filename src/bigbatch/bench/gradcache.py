@@ -129,7 +129,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gradcache_h200.json; "
                    "with --tiny or --cpu a file in the temporary directory, never the committed results)")
     args = p.parse_args(argv)
+    if min(args.batches or [1]) < 1 or args.repeat < 1 or args.public_chunk < 1 or min(args.q_len, args.p_len) < 1:
+        p.error("--batches, --repeat, --public-chunk, --q-len and --p-len must be positive")
     dry = args.tiny or args.cpu
+    if not dry and not torch.cuda.is_available():
+        # a CPU run would otherwise write the H200 results file with CPU numbers
+        print("this benchmark needs a CUDA GPU (or --cpu / --tiny for a dry run)", file=sys.stderr)
+        return 2
     if args.batches is None:
         args.batches = [16, 32] if args.tiny else [512, 1024, 2048, 8192]
     if args.offload_batches is None:

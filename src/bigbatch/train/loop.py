@@ -352,10 +352,9 @@ def _prepare_out(cfg: TrainConfig, resume: bool, overwrite: bool) -> Path:
         if latest_checkpoint(out) is None:
             raise RunError(f"--resume: no checkpoint in {out} to resume from (run without --resume to start)")
     elif existing and not overwrite:
-        raise RunError(
-            f"{out} holds results of an earlier run ({', '.join(existing)}); pass --resume to continue it "
-            f"or --overwrite to replace it"
-        )
+        how = ("pass --resume to continue it or --overwrite to replace it" if latest_checkpoint(out) is not None
+               else "it left no checkpoint to resume from: pass --overwrite to replace it")
+        raise RunError(f"{out} holds results of an earlier run ({', '.join(existing)}); {how}")
     return out
 
 
@@ -507,11 +506,16 @@ def train(
     history = [r for r in log_file.read() if "eval" in r] if d.rank == 0 else []
     before = next((r["eval"] for r in history if r["step"] == 0), None)
     last = history[-1]["eval"] if history else None
-    if start == 0:
+    if start == 0 and resume:
+        # resumed at step 0 (interrupted in the first step): its evaluation is logged already;
+        # no rank evaluates again (the random state restored from the checkpoint is the one after it)
+        if d.rank == 0 and before is None:
+            before = last = run_eval(0)
+    elif start == 0:
         try:
             before = last = run_eval(0)
-        except Exception:
-            if not resume and d.rank == 0:
+        except BaseException:  # Ctrl-C included: a fresh run stopped here leaves nothing behind
+            if d.rank == 0:
                 _remove_outputs(out)
             raise
         say(f"untrained (step 0): {format_metrics(before)}")
