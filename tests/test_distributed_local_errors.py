@@ -109,24 +109,46 @@ def test_siglip_ring_backends_configured_differently_raise_on_every_rank():
     """The sigmoid ring's chunking follows the backend's workspace rule: ranks configured
     differently would exchange messages of different sizes (gloo aborted every process)."""
     for msg in run_gloo(_siglip_backends_differ, 2, timeout=120.0):
-        assert "backend_config must be the same on every rank" in msg, msg
+        assert "the backend's type and settings (e.g. workspace_bytes) must be the same on every rank" in msg, msg
 
 
 def test_group_backend_and_feature_device_must_match():
     """gloo's send/recv (the ring) move only CPU tensors and NCCL only CUDA tensors: a mismatch is a
-    clear error (found before any transfer); gloo's metadata exchange runs on the CPU, so the error
-    reaches every rank, and gloo's gather path (backend='reference') still takes CUDA features."""
-    from bigbatch.distributed.ring import _group_device
+    clear error (found before any transfer); gloo's gather path (backend='reference') still takes
+    CUDA features."""
+    from bigbatch.distributed.ring import _group_problem
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    problem, device = _group_device("gloo", cuda, True)
-    assert "backend is gloo" in problem and "NCCL group" in problem and device == cpu
-    assert _group_device("gloo", cuda, False) == (None, cpu)
-    assert _group_device("gloo", cpu, True) == (None, cpu)
-    problem, device = _group_device("nccl", cpu, False)
-    assert "backend is nccl" in problem and device.type == "cuda"
-    for backend, dev in (("nccl", "cuda"), ("cuda:nccl,cpu:gloo", "cuda"), ("cuda:nccl,cpu:gloo", "cpu")):
-        assert _group_device(backend, torch.device(dev), True) == (None, torch.device(dev))
+    problem = _group_problem("gloo", cuda, True)
+    assert "backend is gloo" in problem and "NCCL group" in problem
+    assert _group_problem("gloo", cuda, False) is None and _group_problem("gloo", cpu, True) is None
+    assert "backend is nccl" in _group_problem("nccl", cpu, False)
+    for backend, dev in (("nccl", "cuda"), ("undefined", "cuda"), ("undefined", "cpu")):
+        assert _group_problem(backend, torch.device(dev), True) is None
+
+
+@pytest.mark.parametrize("backend,config,want", [
+    ("gloo", "cpu:gloo,cuda:gloo", "cpu"),
+    # init_process_group() without a backend on a GPU machine: gloo and NCCL in one group. A rank
+    # whose input is not a tensor used the CPU (gloo), the others their CUDA features (NCCL): a hang
+    ("undefined", "cpu:gloo,cuda:nccl", "cpu"),
+    ("mpi", "cpu:mpi,cuda:mpi", "cpu"),
+    ("nccl", "cuda:nccl", "cuda:1"),
+    ("xccl", "xpu:xccl", "xpu"),
+])
+def test_metadata_exchange_device_follows_the_group_not_the_features(monkeypatch, backend, config, want):
+    from bigbatch.distributed import ring
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    for features in (torch.device("cpu"), torch.device("cuda", 1), None):
+        got = ring.exchange_device(None, features)
+        if want == "xpu":  # another accelerator: the features' device when of its type, else its default
+            assert got == torch.device("xpu")
+        else:
+            assert got == torch.device(want), (features, got)
+    assert ring.exchange_device(None, torch.device("xpu", 2)) == (torch.device("xpu", 2) if want == "xpu" else torch.device(want))
 
 
 def _gloo_cuda_features(rank: int, world: int):

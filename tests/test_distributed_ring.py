@@ -252,15 +252,34 @@ def _errors(rank, world):
     _expect_error(lambda: bigbatch.clip_loss(f(3, 4), f(3, 4), 1.0 + rank, group=group, backend="torch"), "scale")
     # reference on one rank, ring on the other (different collectives)
     be = "reference" if rank == 0 else "torch"
-    _expect_error(lambda: bigbatch.clip_loss(f(3, 4), f(3, 4), 1.0, group=group, backend=be), "path")
+    _expect_error(lambda: bigbatch.clip_loss(f(3, 4), f(3, 4), 1.0, group=group, backend=be), "backend's kind",
+                  "['reference', 'a tile backend']")
+    # reductions differ: named as passed
+    red = "mean" if rank == 0 else "sum"
+    _expect_error(lambda: bigbatch.infonce_loss(f(3, 4), f(3, 4), 1.0, reduction=red, group=group, backend="torch"),
+                  "reduction", "['mean', 'sum']")
+    # clip_loss on one rank, infonce_loss on the other
+    fn = bigbatch.clip_loss if rank == 0 else bigbatch.infonce_loss
+    _expect_error(lambda: fn(f(3, 4), f(3, 4), 1.0, group=group, backend="torch"), "['clip', 'infonce']")
+    # clip_loss on one rank, siglip_loss on the other: exchanges of other fields (gloo aborted the
+    # process on the size mismatch); and siglip_loss on one rank, clip_loss on the other
+    for first in (bigbatch.clip_loss, bigbatch.siglip_loss):
+        if (rank == 0) == (first is bigbatch.clip_loss):
+            call = lambda: bigbatch.clip_loss(f(3, 4), f(3, 4), 1.0, group=group, backend="torch")  # noqa: E731
+        else:
+            call = lambda: bigbatch.siglip_loss(f(3, 4), f(3, 4), 1.0, -1.0, group=group, backend="torch")  # noqa: E731
+        _expect_error(call, "called different collectives", "clip_loss(group=...)", "siglip_loss")
     # gradients wanted on one rank only: its backward would wait forever for the others
     x = f(3, 4).requires_grad_(rank == 0)
-    _expect_error(lambda: bigbatch.clip_loss(x, f(3, 4), 1.0, group=group, backend="torch"), "needs_backward")
+    _expect_error(lambda: bigbatch.clip_loss(x, f(3, 4), 1.0, group=group, backend="torch"),
+                  "whether a gradient is wanted", "['yes', 'no']")
     # the sigmoid ring too (its gradient ring sends more messages than the loss-only one; before: a hang)
     x = f(3, 4).requires_grad_(rank == 0)
-    _expect_error(lambda: bigbatch.siglip_loss(x, f(3, 4), 1.0, -1.0, group=group, backend="torch"), "needs_grad")
+    _expect_error(lambda: bigbatch.siglip_loss(x, f(3, 4), 1.0, -1.0, group=group, backend="torch"),
+                  "whether a gradient is wanted")
     s = torch.tensor(1.0, dtype=torch.float64, requires_grad=rank == 1)
-    _expect_error(lambda: bigbatch.siglip_loss(f(3, 4), f(3, 4), s, -1.0, group=group, backend="torch"), "needs_grad")
+    _expect_error(lambda: bigbatch.siglip_loss(f(3, 4), f(3, 4), s, -1.0, group=group, backend="torch"),
+                  "whether a gradient is wanted")
     # an int scale beyond float range on one rank: a ValueError there, shared with the others
     for loss in ("clip", "siglip"):
         big = 10**400 if rank == 0 else 1.0

@@ -39,7 +39,7 @@ def _check_inputs(q_name, q, k_name, k, scale, backend, *, same_rows, group, kin
             raise
         from .distributed import raise_on_every_rank
 
-        raise_on_every_rank(group, kind, exc)
+        raise_on_every_rank(group, kind, exc, q.device if isinstance(q, torch.Tensor) else None)
 
 
 @autocast_off

@@ -12,10 +12,9 @@ still sums over ranks, so under gradient averaging scale a sum of them by world_
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Callable, Mapping, Optional, Tuple, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -55,6 +54,22 @@ _FIELDS = ("kind", "reduction", "path", "needs_backward", "dim", "dtype", "scale
            "q_rows", "k_rows", "has_labels", "label_min", "label_max")
 
 
+def _named(codes: Mapping[str, float]) -> Callable[[float], str]:
+    names = {v: k for k, v in codes.items()}
+    return lambda v: repr(names.get(v, v))
+
+
+# how a field that differs between ranks is named in the error (codes shown as what was passed)
+_SHOWN = {
+    "kind": ("the loss (clip_loss or infonce_loss)", _named(_KIND)),
+    "reduction": ("reduction", _named(_REDUCTION)),
+    "path": ("the backend's kind ('reference' gathers, a tile backend runs the ring)",
+             _named({"reference": 0.0, "a tile backend": 1.0})),
+    "needs_backward": ("whether a gradient is wanted (grad mode on and an input that requires grad)",
+                       _named({"no": 0.0, "yes": 1.0})),
+}
+
+
 def _grad_chunk_error(chunk: Any) -> Optional[str]:
     """Checked before the exchange (a rank that raised alone would leave the others in the ring)."""
     if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
@@ -62,17 +77,13 @@ def _grad_chunk_error(chunk: Any) -> Optional[str]:
     return None
 
 
-def raise_on_every_rank(group, kind: str, exc: Exception) -> None:
+def raise_on_every_rank(group, kind: str, exc: Exception, device: Optional[torch.device] = None) -> None:
     """Re-raise ``exc`` (this rank's invalid input, found before the ring) after joining the
     metadata exchange that the other ranks' ``{kind}_loss(group=...)`` calls are waiting in, so that
     they raise a ``ValueError`` naming this rank's problem instead of hanging."""
     ring = Ring.of(group)
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    try:
-        agree(ring, device, dict.fromkeys(_FIELDS, 0.0), local_error=f"{type(exc).__name__}: {exc}",
+    try:  # (on the group's metadata device: ring.exchange_device; ``device``, the features', if any)
+        agree(ring, device or torch.device("cpu"), dict.fromkeys(_FIELDS, 0.0), local_error=f"{type(exc).__name__}: {exc}",
               what=f"{kind}_loss(group=...)")
     except ValueError:
         pass  # the collective's error names every failing rank; this rank raises its own below
@@ -113,6 +124,7 @@ def _agree(ring: Ring, q: Tensor, k: Tensor, scale: Tensor, *, kind: str, reduct
         local_error=local_error,
         what=f"{kind}_loss(group=...)",
         p2p=not isinstance(path, str),  # the ring; "reference" gathers
+        shown=_SHOWN,
     )
     if "path" in table and len(set(table["path"])) > 1:  # pragma: no cover - agree() checks it
         raise ValueError("backend must be 'reference' on all ranks or a tile backend on all ranks")

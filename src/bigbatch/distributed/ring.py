@@ -28,14 +28,15 @@ rank is O(largest shard), never O(global batch x D).
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Pending", "Ring", "agree", "dtype_code", "global_value", "offsets"]
+__all__ = ["Pending", "Ring", "agree", "dtype_code", "exchange_device", "global_value", "offsets"]
 
 # Stable small integers for the dtypes a feature tensor may have (exchanged as metadata).
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
@@ -160,22 +161,59 @@ def offsets(sizes: Sequence[int]) -> List[int]:
     return out
 
 
-def _group_device(backend: str, device: torch.device, p2p: bool):
-    """(problem or None, device for the metadata exchange) for features on ``device`` and a group
-    of ``backend``. gloo's send/recv (the ring, ``p2p``) take only CPU tensors, NCCL only CUDA
-    tensors: a mismatch is reported as a local error (raised on every rank) instead of failing
-    inside the transport. gloo's metadata exchange always runs on the CPU (any feature device)."""
+def exchange_device(group, device: Optional[torch.device] = None) -> torch.device:
+    """The device of the small metadata collectives on ``group``: chosen from the group alone, so
+    that every rank exchanges on the same one whatever its features' device (a rank whose input is
+    invalid, or not a tensor at all, must not land in gloo while the others wait in NCCL: a hang).
+
+    gloo, and any group with a CPU backend (``init_process_group()`` without a backend on a GPU
+    machine is ``cpu:gloo,cuda:nccl``): the CPU. NCCL alone: ``device`` when it is a CUDA device
+    (the features', the rank's own GPU), else the current one. A group of another accelerator's
+    backend only: likewise ``device`` when it is of that type, else its default."""
+    backend = dist.get_backend(group)
     if backend == "gloo":
-        if device.type != "cpu" and p2p:
-            return (f"the features are on {device} but the process group's backend is gloo, whose send/recv "
-                    f"(the ring) moves only CPU tensors: use an NCCL group for CUDA features, CPU features, "
-                    f"or backend='reference' (gather, no send/recv)"), torch.device("cpu")
-        return None, torch.device("cpu")
+        return torch.device("cpu")
+    if backend == "nccl":
+        return _on(device, "cuda")
+    try:
+        config = str(dist.get_backend_config(group))
+    except (AttributeError, RuntimeError, ValueError):  # older torch, or a custom group type
+        config = ""
+    types = [part.split(":")[0].strip() for part in config.split(",") if ":" in part]
+    if not types or "cpu" in types:
+        return torch.device("cpu")
+    return _on(device, "cuda" if "cuda" in types else types[0])
+
+
+def _on(device: Optional[torch.device], kind: str) -> torch.device:
+    if device is not None and device.type == kind:
+        return device
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+
+
+def _group_problem(backend: str, device: torch.device, p2p: bool) -> Optional[str]:
+    """A transport that cannot carry features on ``device``, reported as this rank's invalid input
+    (raised on every rank) instead of failing inside the transport: gloo's send/recv (the ring,
+    ``p2p``) take only CPU tensors, NCCL only CUDA tensors."""
+    if backend == "gloo" and device.type != "cpu" and p2p:
+        return (f"the features are on {device} but the process group's backend is gloo, whose send/recv "
+                f"(the ring) moves only CPU tensors: use an NCCL group for CUDA features, CPU features, "
+                f"or backend='reference' (gather, no send/recv)")
     if backend == "nccl" and device.type != "cuda":
         return (f"the features are on {device} but the process group's backend is nccl, which moves only "
-                f"CUDA tensors: use a gloo group for CPU features (or CUDA features)"), \
-            torch.device("cuda")  # the current device
-    return None, device
+                f"CUDA tensors: use a gloo group for CPU features (or CUDA features)")
+    return None
+
+
+# Every exchange sends this many float64 values per rank, whatever its fields: a fixed size, so
+# that ranks calling different collectives (clip_loss on one, siglip_loss on another) meet in one
+# all_gather of equal sizes and raise, instead of gloo aborting the process on a size mismatch.
+_SLOTS = 32
+_HEADER = 2  # the layout code (which fields, in which order) and the error flag
+
+
+def _layout_code(names: Sequence[str]) -> float:
+    return float(zlib.crc32(",".join(names).encode()))
 
 
 def agree(
@@ -187,32 +225,40 @@ def agree(
     local_error: Optional[str] = None,
     what: str = "loss",
     p2p: bool = False,
+    shown: Optional[Mapping[str, Tuple[str, Callable[[float], str]]]] = None,
 ) -> Dict[str, List[float]]:
     """Exchange ``fields`` (numbers: sizes, D, dtype code, a scale...) among the ring's ranks.
 
     Returns ``{name: [value on group rank 0, 1, ...]}``. Raises the same ``ValueError``
-    on every rank when any rank passed ``local_error`` (a message) or when a field named
-    in ``same`` differs between ranks (a field ``"dtype"`` is reported as a dtype name).
-    Cost: one all_gather of ``len(fields) + 1`` float64 values per rank and one host sync;
+    on every rank when any rank passed ``local_error`` (a message), when the ranks exchanged
+    different fields (they called different functions), or when a field named in ``same``
+    differs between ranks; ``shown`` gives a field's name and value format for that message
+    (a field ``"dtype"`` is reported as a dtype name by default).
+    Cost: one all_gather of ``_SLOTS`` float64 values per rank and one host sync;
     a second, object all_gather only on the error path (to show every rank's message).
-    All ranks of the group must call this with the same field names, in the same order.
     ``p2p``: the caller goes on to send/recv (the ring), which a gloo group does only with CPU tensors.
     """
     names = list(fields)
+    if len(names) > _SLOTS - _HEADER:
+        raise AssertionError(f"agree() exchanges at most {_SLOTS - _HEADER} fields, got {len(names)}")
     if ring.world > 1:
-        problem, device = _group_device(dist.get_backend(ring.group), device, p2p)
-        local_error = local_error or problem
-    local = torch.tensor(
-        [float(fields[n]) for n in names] + [1.0 if local_error else 0.0], dtype=torch.float64, device=device
-    )
+        local_error = local_error or _group_problem(dist.get_backend(ring.group), device, p2p)
+        device = exchange_device(ring.group, device)
+    values = [_layout_code(names), 1.0 if local_error else 0.0] + [float(fields[n]) for n in names]
+    local = torch.tensor(values + [0.0] * (_SLOTS - len(values)), dtype=torch.float64, device=device)
     if ring.world == 1:
         rows = [local.tolist()]
     else:
         parts = [torch.empty_like(local) for _ in range(ring.world)]
         dist.all_gather(parts, local, group=ring.group)
         rows = torch.stack(parts).cpu().tolist()
-    table = {n: [row[i] for row in rows] for i, n in enumerate(names)}
-    failed = [r for r, row in enumerate(rows) if row[-1] != 0.0]
+    if any(row[0] != rows[0][0] for row in rows):
+        calls = [None] * ring.world
+        dist.all_gather_object(calls, what, group=ring.group)
+        raise ValueError("the ranks of the group called different collectives (every rank must make the same "
+                         "call, in the same order): " + "; ".join(f"rank {r}: {c}" for r, c in enumerate(calls)))
+    table = {n: [row[_HEADER + i] for row in rows] for i, n in enumerate(names)}
+    failed = [r for r, row in enumerate(rows) if row[1] != 0.0]
     if failed:
         if ring.world == 1:
             messages = [local_error]
@@ -221,13 +267,14 @@ def agree(
             dist.all_gather_object(messages, local_error, group=ring.group)
         detail = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
         raise ValueError(f"{what}: invalid input on group rank(s) {failed}: {detail}")
+    display = {"dtype": ("dtype", _dtype_name), **(shown or {})}
     for name in same:
         values = table[name]
         if any(not _same(v, values[0]) for v in values):
-            shown = [_dtype_name(v) for v in values] if name == "dtype" else [_fmt(v) for v in values]
+            label, fmt = display.get(name, (name, _fmt))
             raise ValueError(
-                f"{what}: {name} must be the same on every rank of the group, got [{', '.join(shown)}] "
-                f"(by group rank)"
+                f"{what}: {label} must be the same on every rank of the group, got "
+                f"[{', '.join(fmt(v) for v in values)}] (by group rank)"
             )
     return table
 

@@ -370,6 +370,13 @@ def ring_siglip_loss(
         local_error=error,
         what="siglip_loss",
         p2p=True,
+        shown={
+            "needs_grad": ("whether a gradient is wanted (grad mode on and an input that requires grad)",
+                           lambda v: "yes" if v else "no"),
+            "labels": ("whether labels are given", lambda v: "labels" if v else "None"),
+            "chunk_rows": ("chunk_rows", lambda v: str(int(v)) if v else "None"),
+            "backend_config": ("the backend's type and settings (e.g. workspace_bytes)", lambda v: f"#{int(v):08x}"),
+        },
     )
     sizes = [int(v) for v in table["rows"]]
     norm = ring.world / sum(sizes)

@@ -136,12 +136,12 @@ def check_same_sync_count(ddps: Sequence[DistributedDataParallel], chunks: int) 
     ranks raise together when they differ."""
     import torch.distributed as dist
 
+    from ..distributed.ring import exchange_device
+
     for d in ddps:
         group = d.process_group
-        nccl = dist.get_backend(group) == "nccl"
-        device = next((p.device for p in d.module.parameters() if p.is_cuda), None) if nccl else None
-        counts = torch.tensor([chunks, -chunks], dtype=torch.int64,
-                              device=device or (torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"))
+        device = next((p.device for p in d.module.parameters()), None)
+        counts = torch.tensor([chunks, -chunks], dtype=torch.int64, device=exchange_device(group, device))
         dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
         most, fewest = int(counts[0]), -int(counts[1])
         if most != fewest:
