@@ -497,14 +497,39 @@ def test_chunk_size_rule():
     assert planned_rows(1024, 308) == [238, 239, 239, 308]  # no 100-row chunk: the rest split evenly
     assert planned_rows(2048, 308) == [290, 290, 290, 290, 290, 290, 308]
     assert planned_rows(300, 308) == [300] and planned_rows(3, 5) == [3] and planned_rows(7, 1) == [1] * 7
+    assert planned_rows(13, 12) == [2, 11] and planned_rows(14, 12) == [2, 12]  # no one-row chunk
     for b in range(1, 60):
         for fit in range(1, 20):
             rows = planned_rows(b, fit)
-            assert sum(rows) == b and max(rows) == rows[-1] == min(b, fit) and max(rows) - min(rows[:-1] or rows) <= fit
+            last = fit - 1 if b == fit + 1 and fit >= 3 else min(b, fit)
+            assert sum(rows) == b and max(rows) == rows[-1] == last and max(rows) - min(rows[:-1] or rows) <= fit
             assert len(rows) == -(-b // fit) and (len(rows) < 3 or max(rows[:-1]) - min(rows[:-1]) <= 1)
+            assert min(rows) >= 2 or fit < 3 or b < 2, (b, fit, rows)
     cost = ChunkCost(fixed=100.0, per_row=10.0, act_per_row=5.0)
     assert cost.largest_chunk(100 + 10 * 30, 1000) == 30
     assert cost.largest_chunk(100 + 10 * 30, 20) == 20
+
+
+def test_budget_plan_gives_batchnorm_no_one_row_chunk(monkeypatch):
+    """A budget fitting 12 rows and a 13-row batch: chunks 2 + 11 (1 + 12 failed BatchNorm in
+    training, which the batch itself passes), and the step equals the same chunks in one graph."""
+    from bigbatch.gradcache.budget import ChunkCost
+
+    monkeypatch.setattr(ChunkCost, "largest_chunk", lambda self, budget, cap: min(cap, 12))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Linear(6, 4))
+    x, y = torch.randn(13, 5), torch.randn(13, 5)
+    loss_fn = lambda a, b: bigbatch.clip_loss(a, b, 2.0)  # noqa: E731
+    gc = GradCache([model], loss_fn=loss_fn, memory_budget="1GiB")
+    gc(x, y)
+    assert gc.last_chunk_rows == [[2, 11], [2, 11]]
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    chunks = lambda t: [model(c) for c in t.split([2, 11])]  # noqa: E731
+    ref = loss_fn(torch.cat(chunks(x)), torch.cat(chunks(y)))
+    ref.backward()
+    for a, p in zip(got, model.parameters()):
+        assert rel_err(a, p.grad) <= 1e-5
 
 
 def test_budget_leaves_room_for_the_cached_representations():

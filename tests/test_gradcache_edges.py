@@ -922,3 +922,46 @@ def test_a_forward_that_modifies_its_own_parameters_is_not_an_error(api):
     _, finish = _two_calls(api, m, x, y)
     finish()
     assert all(p.grad is not None for p in (m.a.weight, m.b.weight))
+
+
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
+def test_an_optimizer_step_inside_the_cached_backward_is_an_error(api):
+    """Optimizer-in-backward (an in-place step in a post-accumulate-grad hook) re-ran the later
+    chunks with updated weights, silently; now the next chunk's re-run raises. A hook that only
+    reads runs once per chunk and the step is exact."""
+    import bigbatch
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(12, 4), torch.randn(12, 4)
+    loss_fn = lambda a, b: bigbatch.clip_loss(a, b, 2.0)  # noqa: E731
+
+    def step():
+        if api == "gradcache":
+            GradCache([model], chunk_sizes=4, loss_fn=loss_fn)(x, y)
+        else:
+            loss_fn(cached_encode(model, x, 4), cached_encode(model, y, 4)).backward()
+
+    calls = []
+    handles = [p.register_post_accumulate_grad_hook(lambda p: calls.append(1)) for p in model.parameters()]
+    step()
+    # 4 parameters, once per chunk (6; cached_encode's node adds one call per parameter in the
+    # outer backward, where torch runs the hooks of the None gradients it returns)
+    assert len(calls) == 4 * (6 if api == "gradcache" else 7)
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    loss_fn(torch.cat([model(c) for c in x.split(4)]), torch.cat([model(c) for c in y.split(4)])).backward()
+    for a, p in zip(got, model.parameters()):
+        assert_rel(a, p.grad, 1e-5)
+    for h in handles:
+        h.remove()
+
+    def sgd(p):
+        with torch.no_grad():
+            p.add_(p.grad, alpha=-0.1)
+        p.grad = None
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(sgd)
+    with pytest.raises(RuntimeError, match="during the cached backward"):
+        step()

@@ -112,11 +112,16 @@ def split_batch(x: Any, chunk_size: int, *, short_first: bool = False) -> List[A
 def planned_rows(b: int, fit: int) -> List[int]:
     """Chunk rows for ``b`` rows when at most ``fit`` fit the memory budget: the last chunk has
     ``fit`` rows (it is the one whose pass-1 graph GradCache can keep, so the larger the better)
-    and the rows before it are split into as few chunks as fit, of equal size (+-1): no tiny
-    chunk, which would cost a whole chunk's launch overhead for a few rows."""
+    and the rows before it are split into as few chunks as fit, of equal size (+-1): no short
+    tail costing a whole chunk's launch overhead for a few rows. A one-row chunk only where
+    unavoidable (``fit`` < 3): one row more than ``fit`` is cut 2 + (fit - 1), since a one-row
+    chunk fails BatchNorm in training ("expected more than 1 value per channel"), which the
+    batch itself would pass."""
     if b <= fit:
         return [b]
     rest = b - fit
+    if rest == 1 and fit >= 3:
+        return [2, fit - 1]
     n = -(-rest // fit)
     return [rest // n + (1 if i >= n - rest % n else 0) for i in range(n)] + [fit]
 

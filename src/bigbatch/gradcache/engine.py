@@ -334,6 +334,8 @@ def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tens
             sync = n == len(rerun) - 1 or opts.ddp_sync == "every_chunk"
             if u.written is not None:
                 u.written.check_before_rerun()
+            if u.state is not None:  # (a hook may have stepped an optimizer in an earlier backward)
+                u.state.check_params("the cached forward", during_backward=True)
             with sync_context(u.ddps, sync=sync)():
                 states, record = u.buffers
                 with restoring(states, record, [u.model]), torch.enable_grad(), u.rng.replay(), \

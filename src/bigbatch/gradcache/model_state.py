@@ -8,8 +8,9 @@ weight was modified in place; a re-run would silently take the eval path (no dro
 new weights. So the re-run runs under the modes of the first forward, and a parameter modified in
 place in between is an error, as for a plain graph.
 
-Cost per model and step: one walk over its modules and parameters when recorded, one when
-checked (a few hundred attribute reads for BERT-base; no device work).
+Cost per model and step: one walk over its modules and parameters when recorded, one read of
+the parameters' version counters before pass 2 and before each re-run chunk (a few hundred
+attribute reads for BERT-base; no device work).
 """
 
 from __future__ import annotations
@@ -44,11 +45,20 @@ class ModelState:
             (n, p, p._version) for n, p in model.named_parameters()
             if _versioned(p) and (before is None or before.get(id(p)) == p._version)]
 
-    def check_params(self, what: str) -> None:
-        """Raise if a parameter was modified in place since (``what``: the call that encoded)."""
+    def check_params(self, what: str, during_backward: bool = False) -> None:
+        """Raise if a parameter was modified in place since (``what``: the call that encoded);
+        ``during_backward``: checked between the chunks of pass 2, where a hook may have written
+        one (an optimizer step per parameter: the later chunks would re-run with the new weights)."""
         changed = [n for n, p, v in self.params if p._version != v]
         if changed:
             names = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+            if during_backward:
+                raise RuntimeError(
+                    f"parameters of the encoder were modified in place during the cached backward ({names}), "
+                    "e.g. by an optimizer step in a post-accumulate-grad hook (optimizer-in-backward): each "
+                    "chunk's backward accumulates into .grad and the later chunks are re-run with the "
+                    "weights of the first forward, which must not change until every chunk is back-"
+                    "propagated: step the optimizer after the backward")
             raise RuntimeError(
                 f"parameters of the encoder were modified in place after {what} and before the backward "
                 f"({names}; e.g. an optimizer step): the chunks would be re-run with the new values, a "
