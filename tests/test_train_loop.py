@@ -264,11 +264,12 @@ def test_gpu_benchmark_refuses_without_cuda_and_writes_nothing(tmp_path, capsys,
     assert main(["bench", "gradcache"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert not any((tmp_path / "benchmarks" / "results").iterdir())
-    for bad in (["--repeat", "0"], ["--batches", "0"]):
+    for bad in (["--repeat", "0"], ["--batches", "0"], ["--budget", "0"]):
         with pytest.raises(SystemExit) as e:
             main(["bench", "gradcache", "--cpu", *bad])
         assert e.value.code == 2
-    assert "must be positive" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "must be positive" in err and "--budget must be positive" in err
 
 
 def _dist_worker(rank, world, data_path, eval_path, out):

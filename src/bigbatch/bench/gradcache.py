@@ -131,6 +131,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     if min(args.batches or [1]) < 1 or args.repeat < 1 or args.public_chunk < 1 or min(args.q_len, args.p_len) < 1:
         p.error("--batches, --repeat, --public-chunk, --q-len and --p-len must be positive")
+    from bigbatch.gradcache import parse_memory
+
+    try:
+        parse_memory(args.budget, "--budget")
+    except (TypeError, ValueError) as exc:
+        p.error(str(exc))
     dry = args.tiny or args.cpu
     if not dry and not torch.cuda.is_available():
         # a CPU run would otherwise write the H200 results file with CPU numbers

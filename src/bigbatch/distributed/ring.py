@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Pending", "Ring", "agree", "dtype_code", "exchange_device", "global_value", "offsets"]
+__all__ = ["Pending", "Ring", "agree", "device_code", "dtype_code", "exchange_device", "global_value", "offsets"]
 
 # Stable small integers for the dtypes a feature tensor may have (exchanged as metadata).
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
@@ -46,6 +46,19 @@ _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 def dtype_code(dtype: torch.dtype) -> int:
     """A small integer naming ``dtype`` (0 for dtypes features may not have)."""
     return _DTYPE_CODES.get(dtype, 0)
+
+
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def device_code(device: torch.device) -> float:
+    """A number naming the features' device type (exchanged: every rank's must be the same)."""
+    return float(_DEVICE_TYPES.index(device.type)) if device.type in _DEVICE_TYPES else float(zlib.crc32(device.type.encode()))
+
+
+# how agree() names a "device" field that differs between ranks
+DEVICE_SHOWN = ("the features' device type",
+                lambda v: repr(_DEVICE_TYPES[int(v)] if v < len(_DEVICE_TYPES) else f"device code {int(v)}"))
 
 
 def _dtype_name(code: float) -> str:
