@@ -21,7 +21,7 @@ from torch import Tensor
 from .._validate import check_int_vector, label_range
 from ..backends.base import TileBackend, compute_dtype
 from .gather import gather_rows_with_grad
-from .ring import DEVICE_SHOWN, Ring, agree, device_code, dtype_code, global_value, offsets
+from .ring import Ring, agree, dtype_code, global_value, offsets
 from .softmax import RingPlan, grad_chunk_rows, own_positives, positive_index, ring_softmax_stats
 
 Backend = Union[str, TileBackend]
@@ -50,7 +50,7 @@ def _local_label_error(labels: Optional[Tensor], b: int, n: int, device: torch.d
 
 
 # What every rank contributes to the one metadata all_gather of a call (see :func:`_agree`).
-_FIELDS = ("kind", "reduction", "path", "needs_backward", "device", "dim", "dtype", "scale", "grad_chunk",
+_FIELDS = ("kind", "reduction", "path", "needs_backward", "dim", "dtype", "scale", "grad_chunk",
            "q_rows", "k_rows", "has_labels", "label_min", "label_max")
 
 
@@ -67,7 +67,6 @@ _SHOWN = {
              _named({"reference": 0.0, "a tile backend": 1.0})),
     "needs_backward": ("whether a gradient is wanted (grad mode on and an input that requires grad)",
                        _named({"no": 0.0, "yes": 1.0})),
-    "device": DEVICE_SHOWN,
 }
 
 
@@ -84,8 +83,8 @@ def raise_on_every_rank(group, kind: str, exc: Exception, device: Optional[torch
     they raise a ``ValueError`` naming this rank's problem instead of hanging."""
     ring = Ring.of(group)
     try:  # (on the group's metadata device: ring.exchange_device; ``device``, the features', if any)
-        agree(ring, device or torch.device("cpu"), dict.fromkeys(_FIELDS, 0.0), local_error=f"{type(exc).__name__}: {exc}",
-              what=f"{kind}_loss(group=...)")
+        agree(ring, device or torch.device("cpu"), dict.fromkeys(_FIELDS, 0.0),
+              local_error=f"{type(exc).__name__}: {exc}", what=f"{kind}_loss(group=...)")
     except ValueError:
         pass  # the collective's error names every failing rank; this rank raises its own below
     raise exc
@@ -102,8 +101,6 @@ def _agree(ring: Ring, q: Tensor, k: Tensor, scale: Tensor, *, kind: str, reduct
         # the backward is a collective too: every rank runs it or none does (else: a hang)
         "needs_backward": 1.0 if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                                 or scale.requires_grad)) else 0.0,
-        # in a mixed group (cpu:gloo,cuda:nccl) CPU and CUDA features would meet in different transports
-        "device": device_code(q.device),
         "dim": float(q.shape[1]),
         "dtype": float(dtype_code(q.dtype)),
         "scale": float(scale.detach()),
@@ -123,7 +120,7 @@ def _agree(ring: Ring, q: Tensor, k: Tensor, scale: Tensor, *, kind: str, reduct
         ring,
         q.device,
         fields,
-        same=("kind", "reduction", "path", "needs_backward", "device", "dim", "dtype", "scale", "grad_chunk"),
+        same=("kind", "reduction", "path", "needs_backward", "dim", "dtype", "scale", "grad_chunk"),
         local_error=local_error,
         what=f"{kind}_loss(group=...)",
         p2p=not isinstance(path, str),  # the ring; "reference" gathers

@@ -53,12 +53,13 @@ _DEVICE_TYPES = ("cpu", "cuda")
 
 def device_code(device: torch.device) -> float:
     """A number naming the features' device type (exchanged: every rank's must be the same)."""
-    return float(_DEVICE_TYPES.index(device.type)) if device.type in _DEVICE_TYPES else float(zlib.crc32(device.type.encode()))
+    if device.type in _DEVICE_TYPES:
+        return float(_DEVICE_TYPES.index(device.type))
+    return float(zlib.crc32(device.type.encode()))
 
 
-# how agree() names a "device" field that differs between ranks
-DEVICE_SHOWN = ("the features' device type",
-                lambda v: repr(_DEVICE_TYPES[int(v)] if v < len(_DEVICE_TYPES) else f"device code {int(v)}"))
+def _device_name(code: float) -> str:
+    return repr(_DEVICE_TYPES[int(code)] if code < len(_DEVICE_TYPES) else f"device code {int(code)}")
 
 
 def _dtype_name(code: float) -> str:
@@ -222,7 +223,10 @@ def _group_problem(backend: str, device: torch.device, p2p: bool) -> Optional[st
 # that ranks calling different collectives (clip_loss on one, siglip_loss on another) meet in one
 # all_gather of equal sizes and raise, instead of gloo aborting the process on a size mismatch.
 _SLOTS = 32
-_HEADER = 2  # the layout code (which fields, in which order) and the error flag
+# the layout code (which fields, in which order), the error flag, and the device type of the
+# caller's tensors (in a mixed cpu:gloo,cuda:nccl group CPU and CUDA features of different ranks
+# would meet in different transports)
+_HEADER = 3
 
 
 def _layout_code(names: Sequence[str]) -> float:
@@ -244,20 +248,21 @@ def agree(
 
     Returns ``{name: [value on group rank 0, 1, ...]}``. Raises the same ``ValueError``
     on every rank when any rank passed ``local_error`` (a message), when the ranks exchanged
-    different fields (they called different functions), or when a field named in ``same``
+    different fields (they called different functions), when their ``device`` types differ
+    (the callers' tensors: CPU on one rank, CUDA on another), or when a field named in ``same``
     differs between ranks; ``shown`` gives a field's name and value format for that message
     (a field ``"dtype"`` is reported as a dtype name by default).
     Cost: one all_gather of ``_SLOTS`` float64 values per rank and one host sync;
     a second, object all_gather only on the error path (to show every rank's message).
     ``p2p``: the caller goes on to send/recv (the ring), which a gloo group does only with CPU tensors.
     """
-    names = list(fields)
+    names, given = list(fields), device
     if len(names) > _SLOTS - _HEADER:
         raise AssertionError(f"agree() exchanges at most {_SLOTS - _HEADER} fields, got {len(names)}")
     if ring.world > 1:
         local_error = local_error or _group_problem(dist.get_backend(ring.group), device, p2p)
         device = exchange_device(ring.group, device)
-    values = [_layout_code(names), 1.0 if local_error else 0.0] + [float(fields[n]) for n in names]
+    values = [_layout_code(names), 1.0 if local_error else 0.0, device_code(given)] + [float(fields[n]) for n in names]
     local = torch.tensor(values + [0.0] * (_SLOTS - len(values)), dtype=torch.float64, device=device)
     if ring.world == 1:
         rows = [local.tolist()]
@@ -280,6 +285,9 @@ def agree(
             dist.all_gather_object(messages, local_error, group=ring.group)
         detail = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
         raise ValueError(f"{what}: invalid input on group rank(s) {failed}: {detail}")
+    if any(row[2] != rows[0][2] for row in rows):
+        raise ValueError(f"{what}: the features' device type must be the same on every rank of the group, got "
+                         f"[{', '.join(_device_name(row[2]) for row in rows)}] (by group rank)")
     display = {"dtype": ("dtype", _dtype_name), **(shown or {})}
     for name in same:
         values = table[name]

@@ -51,7 +51,7 @@ from torch import Tensor
 from .._validate import check_pair, prepare_scalar
 from ..backends.base import SigmoidBackend, compute_dtype
 from ..sigmoid_loss import check_class_ids, resolve_sigmoid_backend
-from .ring import DEVICE_SHOWN, Ring, agree, device_code, dtype_code, global_value
+from .ring import Ring, agree, dtype_code, global_value
 from .._amp import autocast_off
 from .._autograd import first_order
 
@@ -356,7 +356,6 @@ def ring_siglip_loss(
         device,
         {
             "needs_grad": float(needs_grad),
-            "device": device_code(device),
             "rows": image_features.shape[0] if ok else 0,
             "dim": image_features.shape[1] if ok else 0,
             "dtype": dtype_code(image_features.dtype) if ok else 0,
@@ -367,14 +366,13 @@ def ring_siglip_loss(
             # the chunking follows the backend's workspace rule: configured alike, or no rank runs
             "backend_config": float(_config_code(impl)) if ok else 0.0,
         },
-        same=("needs_grad", "device", "dim", "dtype", "labels", "scale", "bias", "chunk_rows", "backend_config"),
+        same=("needs_grad", "dim", "dtype", "labels", "scale", "bias", "chunk_rows", "backend_config"),
         local_error=error,
         what="siglip_loss",
         p2p=True,
         shown={
             "needs_grad": ("whether a gradient is wanted (grad mode on and an input that requires grad)",
                            lambda v: repr("yes" if v else "no")),
-            "device": DEVICE_SHOWN,
             "labels": ("whether labels are given", lambda v: "labels" if v else "None"),
             "chunk_rows": ("chunk_rows", lambda v: str(int(v)) if v else "None"),
             "backend_config": ("the backend's type and settings (e.g. workspace_bytes)", lambda v: f"#{int(v):08x}"),
