@@ -19,6 +19,11 @@ CASES = [
     ("clip", "scale_shape", ValueError),
     ("infonce", "reduction", ValueError),
     ("infonce", "int_features", TypeError),
+    # labels are checked with the metadata exchange, not before it: the failing rank still raises
+    # its own exception (before: a ValueError wrapping it, whatever its type)
+    ("infonce", "labels_list", TypeError),
+    ("infonce", "labels_float", TypeError),
+    ("infonce", "fewer_keys_than_queries", ValueError),
 ]
 
 
@@ -39,6 +44,12 @@ def _call(rank: int, loss: str, bad: str):
             kwargs["reduction"] = "avg"
         elif bad == "int_features":
             q = q.long()
+        elif bad == "labels_list":
+            kwargs["labels"] = list(range(q.shape[0]))
+        elif bad == "labels_float":
+            kwargs["labels"] = torch.arange(q.shape[0], dtype=torch.float32)
+        elif bad == "fewer_keys_than_queries":
+            k = k[:-1]
     fn = bigbatch.clip_loss if loss == "clip" else bigbatch.infonce_loss
     return fn(q, k, scale, **kwargs)
 

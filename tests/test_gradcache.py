@@ -409,7 +409,7 @@ def test_auto_chunk_from_budget_on_cpu():
     with pytest.raises(ValueError, match="chunk_sizes=<rows per chunk> or memory_budget"):
         GradCache(models, loss_fn=clip())(x, y)
     with pytest.raises(ValueError, match="too small for even one example"):
-        GradCache(models, loss_fn=clip(), memory_budget=64, offload_reps=True)(x, y)
+        GradCache(models, loss_fn=clip(), memory_budget=12_000)(x, y)  # > the cached representations
 
 
 def test_parse_memory():
@@ -554,8 +554,17 @@ def test_budget_leaves_room_for_the_cached_representations():
     assert probed and all(c.rep_per_row == 8 * 8 for c in probed)  # float64 (rows, 8) representations
     with pytest.raises(ValueError, match="cached representations"):  # 2 x 2 x 5000 x D x 4 bytes > 1 MiB
         GradCache(models, loss_fn=clip(), memory_budget="1MiB")(make_input("tensor", 5000, 1), make_input("tensor", 5000, 2))
-    off = GradCache(models, loss_fn=clip(), memory_budget="1MiB", offload_reps=True)
-    off(make_input("tensor", 5000, 1), make_input("tensor", 5000, 2))  # reps on the CPU: fits
+    # on the CPU, offload_reps moves nothing: the representations still count, and the error does
+    # not advise it (before: accepted, with the same memory beyond the budget just enforced)
+    with pytest.raises(ValueError, match="cached representations") as err:
+        GradCache(models, loss_fn=clip(), memory_budget="1MiB", offload_reps=True)(
+            make_input("tensor", 5000, 1), make_input("tensor", 5000, 2))
+    assert "offload_reps" not in str(err.value)
+    with pytest.raises(ValueError, match="cached representations") as err:
+        cached_encode(models[0], make_input("tensor", 10000, 1), memory_budget="1MiB", offload_reps=True)
+    assert "offload_reps" not in str(err.value)
+    with pytest.raises(ValueError, match=r"cached representations.*: raise it$"):
+        planning_budget(10_000, 0.95, cost.cached(1000), can_offload=False)
 
 
 def test_cached_encode_sized_from_a_budget():
@@ -708,13 +717,13 @@ def test_cuda_probe_discards_a_first_unmeasured_run(monkeypatch):
         return 100.0 + 10.0 * rows + one_time, 5.0 * rows, 8.0 * rows
 
     monkeypatch.setattr(budget, "_measure", fake_measure)
-    monkeypatch.setattr(budget, "model_device", lambda m: torch.device("cuda", 0))
+    monkeypatch.setattr(budget, "model_device", lambda m, x=None: torch.device("cuda", 0))
     monkeypatch.setattr(budget, "to_device", lambda x, d: x)
     monkeypatch.setattr(budget, "forked_rng", lambda devices: contextlib.nullcontext())
     cost = budget.ChunkProber().cost(nn.Linear(6, 8), torch.zeros(100, 6), lambda o: o, contextlib.nullcontext, None)
     assert calls == [16, 16, 48]
     assert cost.per_row == 10.0 and cost.fixed == 100.0
     calls.clear()
-    monkeypatch.setattr(budget, "model_device", lambda m: torch.device("cpu"))
+    monkeypatch.setattr(budget, "model_device", lambda m, x=None: torch.device("cpu"))
     budget.ChunkProber().cost(nn.Linear(6, 8), torch.zeros(100, 6), lambda o: o, contextlib.nullcontext, None)
     assert calls == [16, 48]  # the CPU estimate (saved-tensor bytes) has no allocator state

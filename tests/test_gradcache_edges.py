@@ -965,3 +965,86 @@ def test_an_optimizer_step_inside_the_cached_backward_is_an_error(api):
         p.register_post_accumulate_grad_hook(sgd)
     with pytest.raises(RuntimeError, match="during the cached backward"):
         step()
+
+
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
+def test_unregistered_trainables_with_a_graph_of_their_own(api):
+    """Merged LoRA weights W + A @ B built once per step and applied through functional_call (the
+    wrapper registers nothing): every chunk's backward crosses the merge's graph, so those
+    backwards retain it (before: 'backward through the graph a second time' from the 2nd chunk)."""
+    from bigbatch.gradcache.chunking import split_batch
+
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randn(9, 5, generator=g, dtype=F64), torch.randn(9, 5, generator=g, dtype=F64)
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.2), nn.Tanh()).to(F64).requires_grad_(False)
+    a, b = nn.Parameter(0.1 * torch.randn(8, 2, dtype=F64)), nn.Parameter(0.1 * torch.randn(2, 5, dtype=F64))
+    box = {}
+
+    class Merged(nn.Module):
+        def forward(self, v):
+            return torch.func.functional_call(base, box["w"], (v,))
+
+    def merge():
+        w = dict(base.named_parameters())
+        w["0.weight"] = w["0.weight"] + a @ b  # a non-leaf: its own graph
+        box["w"] = w
+
+    model = Merged()
+    merge()
+    torch.manual_seed(1)
+    reps = [torch.cat([model(c) for c in split_batch(t, 4, short_first=True)]) for t in (x, y)]
+    expected = torch.autograd.grad(clip(*reps), [a, b])
+    merge()
+    torch.manual_seed(1)
+    if api == "gradcache":
+        GradCache(model, 4, clip)(x, y)
+    else:
+        clip(cached_encode(model, x, 4), cached_encode(model, y, 4)).backward()
+    assert_rel(a.grad, expected[0], 1e-10, f"A via {api}")
+    assert_rel(b.grad, expected[1], 1e-10, f"B via {api}")
+
+
+def test_registered_parameters_next_to_an_outside_graph_is_a_clear_error():
+    """A model with parameters of its own that also uses a tensor computed outside it with a graph
+    (W + A @ B built once per step): the second chunk's backward finds that graph freed; the error
+    says why and what to do instead of PyTorch's bare 'backward through the graph a second time'."""
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 4).to(F64)
+    a = nn.Parameter(0.1 * torch.randn(4, 4, dtype=F64))
+    outside = torch.eye(4, dtype=F64) + a @ a
+
+    class UsesOutside(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, v):
+            return self.lin(v) @ outside
+
+    x = torch.randn(9, 5, dtype=F64)
+    with pytest.raises(RuntimeError, match="computed outside it"):
+        GradCache(UsesOutside(), 4, clip)(x, x.flip(0))
+
+
+def test_parameterless_model_runs_where_its_inputs_are():
+    """A wrapper that registers no parameter or buffer is not staged to the CPU: it runs on its
+    inputs' device (the meta device here stands in for a GPU; before: 'Cannot copy out of meta
+    tensor'); with offload_inputs there is no device to copy chunks to: a clear error."""
+    base = nn.Sequential(nn.Linear(6, 8), nn.Tanh()).to("meta")
+    weights = {k: v.detach().clone().requires_grad_() for k, v in base.named_parameters()}
+    base.requires_grad_(False)
+    seen = []
+
+    class Functional(nn.Module):
+        def forward(self, v):
+            seen.append(v.device.type)
+            return torch.func.functional_call(base, weights, (v,))
+
+    x = torch.randn(10, 6, device="meta")
+    loss = GradCache(Functional(), 4, lambda p, q: (p * q).sum())(x, x)
+    assert loss.device.type == "meta" and set(seen) == {"meta"}
+    with pytest.raises(ValueError, match="offload_inputs=True.*registers no parameter or buffer"):
+        GradCache(Functional(), 4, lambda p, q: (p * q).sum(), offload_inputs=True)(x, x)
+    with pytest.raises(ValueError, match="offload_inputs=True.*registers no parameter or buffer"):
+        cached_encode(Functional(), torch.randn(10, 6), 4, offload_inputs=True)

@@ -126,3 +126,41 @@ def test_cached_encode_lists_lazy_parameters_once_materialised():
     (cached_encode(m, x, 4) ** 2).sum().backward(inputs=[m[2].weight])
     assert_rel(m[2].weight.grad, lazy_ref, 1e-10, "lazy weight")
     assert m[0].weight.grad is None
+
+
+def test_gradcache_non_leaf_input_used_by_the_loss_too():
+    """The adapter's output is the encoder's input and also a term of the loss (a regulariser):
+    the loss's backward crosses the adapter's graph, and the boundary's backward crosses it again
+    (before: 'backward through the graph a second time' from GradCache; cached_encode was fine)."""
+    base, y, w, temp, eq, ep = setup(False)
+    reg = lambda f: 0.1 * f.pow(2).mean()  # noqa: E731
+    f = base @ w
+    (loss_fn(eq(f), ep(y), temp) + reg(f)).backward()
+    ref = [t.grad.clone() for t in [w, temp] + list(eq.parameters())]
+    for t in [w, temp] + list(eq.parameters()) + list(ep.parameters()):
+        t.grad = None
+    f = base @ w
+    GradCache([eq, ep], 3, lambda q, p, aux: loss_fn(q, p, temp) + reg(aux))(f, y, aux=f)
+    for a, b in zip([w.grad, temp.grad] + [p.grad for p in eq.parameters()], ref):
+        assert_rel(a, b, 1e-10, "GradCache, input also in the loss")
+
+
+def test_restricted_backward_leaves_unregistered_trainables_alone():
+    """A frozen encoder with a trainable projection in get_rep_fn (not registered in the model),
+    and torch.autograd.grad w.r.t. the input: like a plain forward, no .grad is written (before:
+    the re-runs accumulated into the projection's .grad). backward(inputs=[...]) accumulates the
+    named encoder parameters only (docs: Limits)."""
+    g = torch.Generator().manual_seed(3)
+    x, k = torch.randn(9, 6, generator=g, dtype=F64), torch.randn(9, 8, generator=g, dtype=F64)
+    proj = nn.Linear(8, 8).to(F64)
+    loss = lambda q: nn.functional.cross_entropy(q @ k.T, torch.arange(9))  # noqa: E731
+    enc = encoder(2, frozen=True)
+    xr = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(loss(proj(enc(xr))), xr)
+    xr = x.clone().requires_grad_()
+    (got,) = torch.autograd.grad(loss(cached_encode(enc, xr, 4, get_rep_fn=proj)), xr)
+    assert_rel(got, want, 1e-10, "input gradient")
+    assert proj.weight.grad is None and proj.bias.grad is None
+    enc = encoder(2)
+    loss(cached_encode(enc, x, 4, get_rep_fn=proj)).backward(inputs=[enc[2].weight])
+    assert enc[2].weight.grad is not None and proj.weight.grad is None and enc[0].weight.grad is None

@@ -258,3 +258,28 @@ def test_fp32_matmul_restores_the_callers_setting(api):
         if old_backend is not None:
             mm.fp32_precision = old_backend
         torch.set_float32_matmul_precision(old_legacy)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_forward_ad_and_vmap_are_refused_not_silently_wrong(backend):
+    """Dual tensors (forward-mode AD) and torch.func-wrapped tensors have requires_grad=False: the
+    loss-only path skipped the autograd Function, so the Triton kernel read the primal alone and
+    dropped the tangent with no error (vmap failed deep inside). They now reach the Function,
+    which refuses them with torch's own errors, as clip_loss and infonce_loss do."""
+    import torch.autograd.forward_ad as fwAD
+
+    dev = DEVICE if backend == "triton" else "cpu"
+    g = torch.Generator().manual_seed(0)
+    q, k, t = (torch.randn(5, 3, generator=g).to(dev) for _ in range(3))
+    with fwAD.dual_level():
+        with pytest.raises(NotImplementedError, match="jvp"):
+            bigbatch.siglip_loss(fwAD.make_dual(q, t), k, 2.0, -1.0, backend=backend)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.vmap(lambda a: bigbatch.siglip_loss(a, k, 2.0, -1.0, backend=backend))(torch.randn(2, 5, 3, device=dev))
+    # the reference backend is plain autograd: its tangent is the derivative along t
+    with fwAD.dual_level():
+        tangent = fwAD.unpack_dual(bigbatch.siglip_loss(fwAD.make_dual(q.double(), t.double()), k.double(), 2.0, -1.0,
+                                                        backend="reference")).tangent
+    qq = q.double().requires_grad_()
+    (grad,) = torch.autograd.grad(bigbatch.siglip_loss(qq, k.double(), 2.0, -1.0, backend="reference"), qq)
+    assert_close(tangent, (grad * t.double()).sum(), 1e-12, 0.0, "reference tangent")

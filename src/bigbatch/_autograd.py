@@ -32,6 +32,24 @@ def refuse_create_graph(what: str, instead: str) -> None:
         )
 
 
+def transformed(*tensors: Any) -> bool:
+    """Whether a tensor carries a forward-mode AD tangent or is wrapped by a ``torch.func``
+    transform (vmap, grad, jvp). Such an input has ``requires_grad=False``, yet a loss-only fast
+    path that skips the autograd Function would drop its tangent or fail deep inside a kernel:
+    it must go through the Function, which refuses it with torch's own clear error."""
+    from torch.autograd import forward_ad
+
+    wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if wrapped is not None and wrapped(t):
+            return True
+        if forward_ad.unpack_dual(t).tangent is not None:
+            return True
+    return False
+
+
 def _compiling() -> bool:
     is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
     return bool(is_compiling()) if is_compiling is not None else False

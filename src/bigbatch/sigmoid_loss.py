@@ -17,7 +17,7 @@ from .backends import resolve_backend
 from .backends.base import SigmoidBackend, compute_dtype
 from ._validate import check_int_vector
 from ._amp import autocast_off
-from ._autograd import first_order
+from ._autograd import first_order, transformed
 
 SigmoidBackendArg = Union[str, SigmoidBackend]
 
@@ -78,7 +78,7 @@ def sigmoid_loss_sum(
     Positives: ``ids[i] == ids[j]`` when ``ids`` is given (then q and k have equal rows), else i == j.
     """
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, scale, bias))
-    if needs_grad:
+    if needs_grad or transformed(q, k, scale, bias):
         return SigmoidLoss.apply(q, k, scale, bias, ids, ids, backend, norm)
     loss, _ = backend.sigmoid_pass(q, k, scale, bias, q_ids=ids, k_ids=ids, diagonal=0)
     return loss * norm

@@ -30,13 +30,14 @@ _KIND = {"clip": 1.0, "infonce": 2.0}
 _REDUCTION = {"mean": 1.0, "sum": 2.0, "none": 3.0}
 
 
-def _local_label_error(labels: Optional[Tensor], b: int, n: int, device: torch.device) -> Tuple[Optional[str], float, float]:
-    """(message or None, min label, max label) for this rank's labels; never raises."""
+def _local_label_error(labels: Optional[Tensor], b: int, n: int,
+                       device: torch.device) -> Tuple[Optional[Exception], float, float]:
+    """(this rank's labels' error or None, min label, max label); never raises."""
     if labels is None:
         if n < b:
             return (
-                f"labels=None pairs query i with key i of the same rank, so keys needs at least as many "
-                f"rows as queries on every rank ({b}), got {n}; pass labels (global key indices) instead",
+                ValueError(f"labels=None pairs query i with key i of the same rank, so keys needs at least as many "
+                           f"rows as queries on every rank ({b}), got {n}; pass labels (global key indices) instead"),
                 0.0,
                 0.0,
             )
@@ -44,7 +45,7 @@ def _local_label_error(labels: Optional[Tensor], b: int, n: int, device: torch.d
     try:
         check_int_vector(labels, b, device, name="labels", meaning="one positive key per query", what="global key indices")
     except Exception as exc:  # any local failure is shared below, so no rank is left waiting
-        return str(exc), 0.0, 0.0
+        return exc, 0.0, 0.0
     lo, hi = label_range(labels)
     return None, float(lo), float(hi)
 
@@ -199,8 +200,14 @@ def ring_infonce_loss(
     ring = Ring.of(group)
     b, n = q.shape[0], k.shape[0]
     err, lo, hi = _local_label_error(labels, b, n, q.device)
-    table = _agree(ring, q, k, scale, kind="infonce", reduction=reduction, path=backend,
-                   local_error=err, lo=lo, hi=hi, has_labels=labels is not None, grad_chunk=grad_chunk)
+    try:
+        table = _agree(ring, q, k, scale, kind="infonce", reduction=reduction, path=backend,
+                       local_error=f"{type(err).__name__}: {err}" if err is not None else None,
+                       lo=lo, hi=hi, has_labels=labels is not None, grad_chunk=grad_chunk)
+    except ValueError:
+        if err is not None:  # as raise_on_every_rank: the failing rank raises its own exception
+            raise err from None
+        raise
     k_sizes = [int(v) for v in table["k_rows"]]
     n_total = sum(k_sizes)
     bad = [r for r in range(ring.world)

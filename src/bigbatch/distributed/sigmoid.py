@@ -48,6 +48,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .._autograd import transformed
 from .._validate import check_pair, prepare_scalar
 from ..backends.base import SigmoidBackend, compute_dtype
 from ..sigmoid_loss import check_class_ids, resolve_sigmoid_backend
@@ -350,7 +351,8 @@ def ring_siglip_loss(
         error = f"{type(exc).__name__}: {exc}"
     ok = error is None
     # the gradient ring sends more messages than the loss-only one: every rank must run the same
-    needs_grad = ok and torch.is_grad_enabled() and any(t.requires_grad for t in (image_features, text_features, s, b))
+    needs_grad = ok and (torch.is_grad_enabled() and any(t.requires_grad for t in (image_features, text_features, s, b))
+                         or transformed(image_features, text_features, s, b))
     table = agree(
         ring,
         device,

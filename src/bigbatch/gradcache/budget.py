@@ -98,8 +98,9 @@ class ChunkCost:
         room = budget - self.fixed
         if room < self.per_row:
             raise ValueError(
-                f"memory_budget of {budget / 2**30:.3g} GiB is too small for even one example "
-                f"(about {self.peak(1) / 2**30:.3g} GiB for forward + backward of one row)"
+                f"memory_budget is too small for even one example: it leaves {budget / 2**30:.3g} GiB for a "
+                f"chunk (after what is allocated, slack and the cached representations), and forward + "
+                f"backward of one row takes about {self.peak(1) / 2**30:.3g} GiB"
             )
         return max(1, min(cap, int(room // max(self.per_row, 1.0))))
 
@@ -109,11 +110,18 @@ def allocated_now(devices: Sequence[torch.device]) -> int:
     return max((torch.cuda.memory_allocated(d) for d in devices if d.type == "cuda"), default=0)
 
 
-def planning_budget(budget: int, fraction: float, cached: float, in_use: int = 0) -> int:
+def offloads(offload_reps: bool, device: torch.device) -> bool:
+    """Whether ``offload_reps`` takes the cached representations off ``device`` between the passes
+    (on the CPU they stay where they are: the plan must count them)."""
+    return offload_reps and device.type != "cpu"
+
+
+def planning_budget(budget: int, fraction: float, cached: float, in_use: int = 0, can_offload: bool = True) -> int:
     """The bytes chunks and kept graphs are planned against: ``fraction`` of what ``budget`` leaves
     above ``in_use`` (the bytes allocated before the step; slack for allocator rounding and the
     loss) less ``cached``, the bytes of the whole batch's cached representations and their
-    gradients, which live through the whole step."""
+    gradients, which live through the whole step (``can_offload``: ``offload_reps`` would move
+    them off the device, for the error's advice)."""
     if in_use >= budget:
         raise ValueError(
             f"memory_budget of {budget / 2**30:.3g} GiB is already taken by the {in_use / 2**30:.3g} GiB "
@@ -123,7 +131,8 @@ def planning_budget(budget: int, fraction: float, cached: float, in_use: int = 0
     if usable <= 0:
         raise ValueError(
             f"memory_budget of {budget / 2**30:.3g} GiB cannot even hold the cached representations and "
-            f"their gradients ({cached / 2**30:.3g} GiB): raise it, or pass offload_reps=True to keep them on the CPU"
+            f"their gradients ({cached / 2**30:.3g} GiB): raise it"
+            + (", or pass offload_reps=True to keep them on the CPU" if can_offload else "")
         )
     return usable
 
@@ -248,7 +257,7 @@ class ChunkProber:
         b = batch_size(x)
         c1, c2 = min(self.probe_rows[0], b), min(self.probe_rows[1], b)
         params = [p for p in model.parameters() if p.requires_grad]  # empty: a frozen model
-        device = model_device(model)
+        device = model_device(model, x)
         devices = model_cuda_devices(model)
         with forked_rng(devices), buffers_restored([model]), buffers_reset_after([model]), torch.enable_grad():
             def measure(c: int, by_grad: bool) -> Tuple[float, float, float]:

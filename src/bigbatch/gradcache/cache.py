@@ -23,8 +23,8 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from .budget import ChunkProber, MemoryArg, allocated_now, parse_memory, planning_budget, probe_cost
-from .chunking import batch_size, chunk_rows, model_device, pin, split_chunks
+from .budget import ChunkProber, MemoryArg, allocated_now, offloads, parse_memory, planning_budget, probe_cost
+from .chunking import batch_size, check_offload_target, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, backprop, encode, finalize_plan
 from .inputs import backward_into_originals, inputs_require_grad, with_boundaries
 from .wrappers import (DDP_SYNC_MODES, check_loss_params_outside_ddp, check_not_fsdp, check_not_parametrize_cached,
@@ -116,7 +116,8 @@ class GradCache:
         autocast_dtype: run encoders and loss under ``torch.autocast`` with this dtype (bf16/fp16).
         offload_inputs: keep inputs on the CPU (pinned); each chunk is copied to the model's device on a
             side stream, overlapped with the previous chunk's compute.
-        offload_reps: keep cached representations and their gradients on the CPU between passes.
+        offload_reps: keep cached representations and their gradients on the CPU between passes
+            (no effect for a model on the CPU).
         ddp_sync: ``"last_chunk"`` (DDP all-reduces once per step) or ``"every_chunk"``.
         keep_last_graph: keep the graph of the last chunk(s) of pass 1 when the budget allows, instead of
             re-running them (one chunk's forward saved per step).
@@ -228,22 +229,23 @@ class GradCache:
         batches = [batch_size(x, f"inputs[{i}]", hint=hint) for i, x in enumerate(inputs)]
         if self.chunk_sizes is not None:
             costs = [self._cost(m, x) for m, x in zip(models, inputs)]
-            return list(sizes), costs, self._usable(self.memory_budget, models, costs, batches)
-        budget = self.memory_budget or default_budget(model_device(models[0]))
+            return list(sizes), costs, self._usable(self.memory_budget, models, inputs, costs, batches)
+        budget = self.memory_budget or default_budget(model_device(models[0], inputs[0]))
         costs = [self._cost(m, x) for m, x in zip(models, inputs)]
-        usable = self._usable(budget, models, costs, batches)
+        usable = self._usable(budget, models, inputs, costs, batches)
         return [c.largest_chunk(usable, b) for c, b in zip(costs, batches)], costs, usable
 
-    def _usable(self, budget: int, models: Sequence[nn.Module], costs, batches: Sequence[int]) -> int:
-        cached = 0.0 if self.offload_reps else sum(c.cached(b) for c, b in zip(costs, batches))
-        in_use = allocated_now([model_device(m) for m in models])
-        return planning_budget(budget, _BUDGET_FRACTION, cached, in_use)
+    def _usable(self, budget: int, models: Sequence[nn.Module], inputs: Sequence[Any], costs, batches: Sequence[int]) -> int:
+        devices = [model_device(m, x) for m, x in zip(models, inputs)]
+        cached = sum(c.cached(b) for c, b, d in zip(costs, batches, devices) if not offloads(self.offload_reps, d))
+        can_offload = not self.offload_reps and any(d.type != "cpu" for d in devices)
+        return planning_budget(budget, _BUDGET_FRACTION, cached, allocated_now(devices), can_offload)
 
     def _cost(self, model: nn.Module, x: Any):
         module = model.module if is_ddp(model) else model
         from .engine import _autocast
 
-        amp = _autocast(model_device(module), self.autocast_dtype)
+        amp = _autocast(model_device(module, x), self.autocast_dtype)
         return probe_cost(self._prober, module, x, self.get_rep_fn or _identity, amp, self.autocast_dtype,
                           custom_split=self.split_input_fn is not None)
 
@@ -289,6 +291,7 @@ class GradCache:
         inputs = tuple(x for x, _ in bounded)
         boundaries = [pair for _, pairs in bounded for pair in pairs]
         if self.offload_inputs:
+            check_offload_target(models)
             inputs = tuple(pin(x) for x in inputs)
         sizes, costs, usable = self._sizes(models, inputs)
         units: List[Unit] = []
@@ -326,7 +329,11 @@ class GradCache:
                 raise ValueError("loss_fn's result has no grad_fn: it does not depend on the representations of "
                                  "a trainable encoder, and the loss has no parameter that requires grad")
             check_loss_params_outside_ddp(loss, models)
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            # with inputs that require grad through a graph of their own (boundaries), the loss may use
+            # them too (a regulariser on an adapter's output): their graph is crossed again by
+            # backward_into_originals, so the loss's backward keeps it (and, with it, the loss's own
+            # saved tensors, until the step returns)
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward(retain_graph=bool(boundaries))
             sent, graphs = backprop(units, [leaf.grad for leaf in leaves], opts)
             if sent and not graphs:  # a plain step would train the loss's own parameters only, or fail
                 warn_user(

@@ -244,13 +244,27 @@ def _required_not_in(model: nn.Module, x: Mapping) -> List[str]:
     return [n for n in required if n not in x]
 
 
-def model_device(model: nn.Module) -> torch.device:
-    """The device of the model's first parameter (or buffer); CPU for a parameterless model."""
+def model_device(model: nn.Module, inputs: Any = None) -> torch.device:
+    """The device of the model's first parameter (or buffer): where its chunks are staged. A model
+    that registers neither (a wrapper applying weights through ``torch.func.functional_call``)
+    runs where its ``inputs`` are: the device of their first tensor (CPU if they hold none)."""
     for t in model.parameters():
         return t.device
     for t in model.buffers():
         return t.device
+    for t in tensor_leaves(inputs):
+        return t.device
     return torch.device("cpu")
+
+
+def check_offload_target(models: Sequence[nn.Module]) -> None:
+    """``offload_inputs`` copies each chunk to its model's device: every model must have one."""
+    for m in models:
+        if not (any(True for _ in m.parameters()) or any(True for _ in m.buffers())):
+            raise ValueError(
+                f"offload_inputs=True copies each chunk to its model's device, and {type(m).__name__} registers no "
+                "parameter or buffer to tell which: keep its inputs on the device it runs on (offload_inputs=False), "
+                "or register a parameter or buffer in it")
 
 
 def pin(x: Any) -> Any:

@@ -21,9 +21,9 @@ import torch
 from torch import Tensor, nn
 
 from .._autograd import refuse_batched, refuse_create_graph
-from .budget import ChunkProber, MemoryArg, allocated_now, parse_memory, planning_budget, probe_cost
+from .budget import ChunkProber, MemoryArg, allocated_now, offloads, parse_memory, planning_budget, probe_cost
 from .cache import _BUDGET_FRACTION, _identity, check_callables, check_options, default_budget
-from .chunking import batch_size, chunk_rows, model_device, pin, split_chunks
+from .chunking import batch_size, check_offload_target, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, _autocast, backprop, encode, finalize_plan
 from .inputs import Pairs, inputs_require_grad, with_boundaries
 from .wrappers import check_not_fsdp, check_not_parametrize_cached, ddp_modules, is_ddp, is_model_list, warn_user
@@ -43,7 +43,7 @@ class _CachedEncode(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor: Tensor, box: List[Tensor], units: List[Unit], opts: EngineOptions, pairs: Pairs,  # type: ignore[override]
                 *tensors: Tensor) -> Tensor:
-        ctx.units, ctx.opts, ctx.boundaries = units, opts, [b for _, b in pairs]
+        ctx.units, ctx.opts, ctx.boundaries, ctx.anchor = units, opts, [b for _, b in pairs], anchor
         ctx.params = list(tensors[len(pairs):])
         # pass 1 ran before the node was made (``cached_encode``); its result comes in a box, not
         # as a tensor input, so that the output is a fresh tensor (not a view: in-place ops work)
@@ -60,7 +60,7 @@ class _CachedEncode(torch.autograd.Function):
             raise RuntimeError("cached_encode: backward ran twice through the same representations (e.g. "
                                "l1.backward(retain_graph=True); l2.backward()): its chunks are re-run once, in "
                                "the first backward; back-propagate the sum of the losses once (l1 + l2)")
-        targets = _targets(ctx.params)
+        targets = _targets(ctx.anchor, ctx.params)
         if targets is not None:
             opts = replace(opts, grad_targets=targets + ctx.boundaries)
         with torch.enable_grad():
@@ -76,24 +76,37 @@ class _CachedEncode(torch.autograd.Function):
         return (None, None, None, None, None, *in_grads, *([None] * len(ctx.params)))
 
 
-def _targets(params: List[Tensor]) -> Optional[List[Tensor]]:
-    """The parameters this backward accumulates into: ``None`` for all of them (a plain
-    ``.backward()``), else those that ``backward(inputs=...)`` asked for. Under
-    ``torch.autograd.grad`` (which returns gradients instead of accumulating them) a trainable
-    encoder is an error: its gradients can only go to ``.grad``."""
+_AUTOGRAD_GRAD = (
+    "cached_encode: torch.autograd.grad cannot return the encoder's parameter gradients (they are "
+    "accumulated into .grad chunk by chunk); call loss.backward() instead (backward(inputs=[...]) may "
+    "restrict it). autograd.grad w.r.t. the inputs works when no encoder parameter requires grad.")
+
+
+def _will_execute(t: Tensor) -> bool:
+    """Whether the running backward computes ``t``'s gradient (raises under ``torch.autograd.grad``
+    when ``t`` is a leaf it was asked for)."""
     try:
-        will = [torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node) for p in params]
+        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(t).node)
     except RuntimeError as exc:
         if "autograd.grad" not in str(exc):
             raise
-        raise RuntimeError(
-            "cached_encode: torch.autograd.grad cannot return the encoder's parameter gradients (they are "
-            "accumulated into .grad chunk by chunk); call loss.backward() instead (backward(inputs=[...]) may "
-            "restrict it). autograd.grad w.r.t. the inputs works when no encoder parameter requires grad."
-        ) from None
+        raise RuntimeError(_AUTOGRAD_GRAD) from None
+
+
+def _targets(anchor: Tensor, params: List[Tensor]) -> Optional[List[Tensor]]:
+    """The parameters this backward accumulates into: ``None`` for every leaf the re-runs reach (a
+    plain ``.backward()``, which reaches the node's ``anchor`` too), else those that
+    ``backward(inputs=...)`` asked for (none under ``torch.autograd.grad``, which returns
+    gradients instead of accumulating them; asking it for a trainable encoder's parameters is an
+    error: their gradients can only go to ``.grad``). A restricted backward cannot be asked
+    whether it wants a trainable tensor the model does not register (the outer graph never saw
+    it): such tensors accumulate only under a plain ``.backward()`` (docs: Limits)."""
+    try:
+        if _will_execute(anchor):
+            return None
+        return [p for p in params if _will_execute(p)]
     except AttributeError:  # a torch without these hooks: accumulate into all
         return None
-    return None if all(will) else [p for p, w in zip(params, will) if w]
 
 
 def cached_encode(
@@ -136,11 +149,12 @@ def cached_encode(
     check_callables(get_rep_fn=get_rep_fn, split_input_fn=split_input_fn)
     check_not_fsdp(model)
     check_options(autocast_dtype, None, ddp_sync)
-    device = model_device(model)
+    device = model_device(model, inputs)
     if autocast_dtype is None and torch.is_autocast_enabled(device.type):
         autocast_dtype = torch.get_autocast_dtype(device.type)
     get_rep = get_rep_fn or _identity
     if offload_inputs:
+        check_offload_target([model])
         inputs = pin(inputs)
     trained = any(p.requires_grad for p in model.parameters())
     needs_grad = torch.is_grad_enabled() and (trained or inputs_require_grad(inputs))
@@ -157,8 +171,10 @@ def cached_encode(
         cost = probe_cost(_PROBER, module, bounded, get_rep, _autocast(device, autocast_dtype), autocast_dtype,
                           custom_split=split_input_fn is not None)
         b = batch_size(inputs)
-        cached = 0.0 if offload_reps else cost.cached(b)
-        chunk_size = cost.largest_chunk(planning_budget(budget, _BUDGET_FRACTION, cached, allocated_now([device])), b)
+        cached = 0.0 if offloads(offload_reps, device) else cost.cached(b)
+        usable = planning_budget(budget, _BUDGET_FRACTION, cached, allocated_now([device]),
+                                 can_offload=not offload_reps and device.type != "cpu")
+        chunk_size = cost.largest_chunk(usable, b)
     chunks = split_chunks(bounded, chunk_size, split_input_fn=split_input_fn, from_budget=sized_from_budget)
     ddps = ddp_modules(model)
     units = [Unit(0, model, c, chunk_rows(c, split_input_fn is not None, "a chunk of inputs"), ddps=ddps) for c in chunks]

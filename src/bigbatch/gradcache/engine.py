@@ -48,6 +48,10 @@ class Unit:
     rows: Optional[int]  # None: a custom chunk type, set from its representation in pass 1
     keep: bool = False
     rerun: bool = True  # False: nothing back-propagates it (a frozen tower; a forward under no_grad)
+    # re-run for a trainable tensor its model does not register (EngineOptions.detect_hidden): such a
+    # tensor may carry a graph of its own (merged weights W + A @ B built once per step), which every
+    # chunk's backward crosses, so those backwards retain the graph
+    hidden: bool = False
     rng: Optional[RngState] = None
     kept_rep: Optional[Tensor] = None
     buffers: Optional[Tuple[BufferStates, Dict[int, Tensor]]] = None  # the buffers its pass-1 forward saw
@@ -198,7 +202,7 @@ def _first_run(u: Unit, chunk: Any, opts: EngineOptions, devices: List[int], mir
             rep = _rep(opts, u.model, chunk, u.rows, graph=False)
         u.lazy_after = inits or None
         if detect and rep.requires_grad:
-            u.rerun = True
+            u.rerun = u.hidden = True
         rep = compact(rep)
     if u.rows is None:  # a custom chunk: its rows are its representation's
         u.rows = rep.shape[0]
@@ -215,7 +219,7 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
         mine = [u for u in units if u.input_index == i]
         if not mine:
             continue
-        device = model_device(mine[0].model)
+        device = model_device(mine[0].model, mine[0].chunk)
         amp = _autocast(device, opts.autocast_dtype, opts.inherit_autocast)
         devices = model_cuda_devices(mine[0].model)
         mirror = grad_mode_dependent(mine[0].model)
@@ -242,7 +246,8 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
             raise ValueError(f"input {i} produced no chunks")
         rep = torch.cat(reps, dim=0) if len(reps) > 1 else reps[0]
         if opts.offload_reps:
-            rep = rep.to(model_device(next(u.model for u in units if u.input_index == i)))
+            first = next(u for u in units if u.input_index == i)
+            rep = rep.to(model_device(first.model, first.chunk))
         out.append(rep)
     return out
 
@@ -261,12 +266,29 @@ def grad_slices(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: 
     return slices
 
 
-def _send(rep: Tensor, grad: Tensor, opts: EngineOptions) -> int:
+_FREED = "backward through the graph a second time"  # PyTorch's error for a graph already freed
+
+
+def _send(rep: Tensor, grad: Tensor, opts: EngineOptions, retain: bool = False) -> int:
     """Back-propagate a chunk's slice of the cached gradient; returns 1 if the chunk built a graph,
-    0 if its forward used no tensor that requires grad (nothing to send)."""
+    0 if its forward used no tensor that requires grad (nothing to send). ``retain``: keep the
+    graph's buffers (a hidden trainable tensor's own graph, crossed by every chunk: ``Unit.hidden``)."""
     if not rep.requires_grad:
         return 0
-    torch.autograd.backward(rep, grad.to(rep.device, rep.dtype), inputs=opts.grad_targets)
+    targets = opts.grad_targets
+    if targets is not None and not targets:
+        return 1  # a graph, of which nothing is asked for
+    try:
+        torch.autograd.backward(rep, grad.to(rep.device, rep.dtype), inputs=targets, retain_graph=retain)
+    except RuntimeError as exc:
+        if _FREED not in str(exc):
+            raise
+        raise RuntimeError(
+            "gradient caching: a chunk's backward reached a graph that an earlier chunk's backward had already "
+            "freed. The encoder's forward uses a tensor that requires grad and was computed outside it, with a "
+            "graph of its own (e.g. merged weights W + A @ B built once per step next to registered parameters): "
+            "every chunk would back-propagate through that graph. Compute such tensors inside the forward, or pass "
+            "them as an encoder input (inputs that require grad are supported)") from exc
     return 1
 
 
@@ -318,7 +340,7 @@ def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tens
     returns how many built a graph."""
     graphs = 0
     model = units[rerun[0]].model
-    device = model_device(model)
+    device = model_device(model, units[rerun[0]].chunk)
     amp = _autocast(device, opts.autocast_dtype, opts.inherit_autocast)
     no_amp = _no_autocast(device, opts.autocast_dtype, opts.inherit_autocast)
     acc = GradAccumulation(model)
@@ -342,6 +364,6 @@ def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tens
                         skipping_inits([u.model], u.lazy_after):
                     rep = _rep(opts, u.model, chunk, u.rows)
                 with no_amp(), acc.chunk():
-                    graphs += _send(rep, slices[k], opts)
+                    graphs += _send(rep, slices[k], opts, retain=u.hidden)
             del rep
     return graphs
