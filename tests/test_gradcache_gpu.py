@@ -247,3 +247,33 @@ def test_lazy_module_with_cuda_dropout_and_eval_before_backward(api):
     for p, r in zip(m.parameters(), ref.parameters()):
         assert torch.equal(p, r)
         assert rel(p.grad, r.grad) < 1e-12
+
+
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
+def test_parameterless_wrapper_runs_on_its_inputs_gpu(api):
+    """Weights applied through torch.func.functional_call by a wrapper that registers nothing: the
+    chunks stay on the GPU with the weights (before: staged to the CPU, a device-mismatch error)."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Dropout(0.2), torch.nn.Tanh()).to(DEV, torch.float64)
+    weights = {k: v.detach().clone().requires_grad_() for k, v in base.named_parameters()}
+    base.requires_grad_(False)
+
+    class Functional(torch.nn.Module):
+        def forward(self, v):
+            return torch.func.functional_call(base, weights, (v,))
+
+    g = torch.Generator().manual_seed(2)
+    x, y = (torch.randn(10, 6, generator=g, dtype=torch.float64).to(DEV) for _ in range(2))
+    model = Functional()
+    clip = lambda a, b: bigbatch.clip_loss(a, b, 5.0, backend="torch")  # noqa: E731
+    torch.manual_seed(1)
+    reps = [torch.cat([model(c) for c in split_batch(t, 4, short_first=True)]) for t in (x, y)]
+    want = torch.autograd.grad(clip(*reps), list(weights.values()))
+    torch.manual_seed(1)
+    if api == "gradcache":
+        GradCache(model, 4, clip)(x, y)
+    else:
+        clip(cached_encode(model, x, 4), cached_encode(model, y, 4)).backward()
+    for p, w in zip(weights.values(), want):
+        assert p.grad.device.type == "cuda"
+        assert torch.allclose(p.grad, w, rtol=1e-10, atol=1e-12)
