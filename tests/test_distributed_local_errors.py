@@ -226,3 +226,36 @@ def test_grad_chunk_is_checked_and_agreed_on_every_rank():
             assert "grad_chunk must be the same on every rank" in differ, differ
             assert "rank(s) [1]" in invalid and "grad_chunk must be a positive int" in invalid, invalid
             assert default == "no error", default
+
+
+def _dual_on_one_rank(rank: int, world: int):
+    from torch.autograd import forward_ad as fwAD
+
+    torch.manual_seed(rank)
+    q, k = torch.randn(4, 3), torch.randn(4, 3)
+    group, out = dist.group.WORLD, []
+    for name, loss in (("clip", lambda x: bigbatch.clip_loss(x, k, 2.0, group=group, backend="torch")),
+                       ("infonce", lambda x: bigbatch.infonce_loss(x, k, 2.0, group=group, backend="torch")),
+                       ("clip_reference", lambda x: bigbatch.clip_loss(x, k, 2.0, group=group, backend="reference")),
+                       ("siglip", lambda x: bigbatch.siglip_loss(x, k, 2.0, -1.0, group=group, backend="torch"))):
+        try:
+            if rank == 0:
+                with fwAD.dual_level():
+                    loss(fwAD.make_dual(q, torch.ones_like(q)))
+            else:
+                loss(q.clone().requires_grad_()).backward()
+            out.append((name, "no error"))
+        except (NotImplementedError, ValueError) as exc:
+            out.append((name, f"{type(exc).__name__}: {exc}"))
+        dist.barrier()  # nobody is still inside the loss
+    return out
+
+
+def test_forward_ad_on_one_rank_raises_on_every_rank():
+    """A dual tensor on one rank (the others training): refused before the ring's collectives,
+    on every rank (before: the refusal came from inside the autograd Function on that rank only,
+    after the forward's collectives, and the other ranks waited in the next one: a hang)."""
+    results = run_gloo(_dual_on_one_rank, 2, timeout=120.0)
+    for (name, r0), (_, r1) in zip(results[0], results[1]):
+        assert "forward-mode AD" in r0, f"{name}: rank 0 got {r0}"
+        assert r1.startswith("ValueError") and "rank(s) [0]" in r1, f"{name}: rank 1 got {r1}"

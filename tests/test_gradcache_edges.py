@@ -1048,3 +1048,49 @@ def test_parameterless_model_runs_where_its_inputs_are():
         GradCache(Functional(), 4, lambda p, q: (p * q).sum(), offload_inputs=True)(x, x)
     with pytest.raises(ValueError, match="offload_inputs=True.*registers no parameter or buffer"):
         cached_encode(Functional(), torch.randn(10, 6), 4, offload_inputs=True)
+
+
+def test_unregistered_trainables_in_the_loss_too_and_where_pass_1_cannot_see_them():
+    """GradCache whose loss also uses the merged weight (a regulariser): the loss's backward
+    retains its graph for the re-runs (before: the clear 'already freed' error after the loss).
+    Where pass 1 runs without a graph (an input that requires grad) and in the functional
+    closures, the merge is not seen: the second backward through it raises the clear error."""
+    from bigbatch.gradcache import cached
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(5, 8), nn.Tanh()).to(F64).requires_grad_(False)
+    a, b = nn.Parameter(0.1 * torch.randn(8, 2, dtype=F64)), nn.Parameter(0.1 * torch.randn(2, 5, dtype=F64))
+    box = {}
+
+    class Merged(nn.Module):
+        def forward(self, v):
+            return torch.func.functional_call(base, box["w"], (v,))
+
+    def merge():
+        box["w"] = dict(base.named_parameters(), **{"0.weight": base[0].weight + a @ b})  # saves a, b
+        return box["w"]["0.weight"]
+
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(9, 5, generator=g, dtype=F64), torch.randn(9, 5, generator=g, dtype=F64)
+    model = Merged()
+    w = merge()
+    (clip(model(x), model(y)) + w.pow(2).sum()).backward()
+    want, a.grad = a.grad.clone(), None
+    w = merge()
+    GradCache(model, 4, lambda p, q, w: clip(p, q) + w.pow(2).sum())(x, y, w=w)
+    assert_rel(a.grad, want, 1e-10, "merged weight also in the loss")
+    merge()
+    with pytest.raises(RuntimeError, match="computed outside it"):
+        GradCache(model, 4, clip)(x.clone().requires_grad_(), y)
+
+    @cached
+    def enc(v):
+        return model(v)
+
+    merge()
+    r1, c1 = enc(x[:5])
+    r2, c2 = enc(x[5:])
+    clip(torch.cat([r1, r2]), model(y).detach()).backward()
+    c1(r1)
+    with pytest.raises(RuntimeError, match="computed outside it"):
+        c2(r2)

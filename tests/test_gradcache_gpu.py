@@ -277,3 +277,29 @@ def test_parameterless_wrapper_runs_on_its_inputs_gpu(api):
     for p, w in zip(weights.values(), want):
         assert p.grad.device.type == "cuda"
         assert torch.allclose(p.grad, w, rtol=1e-10, atol=1e-12)
+
+
+def test_budget_probe_of_a_parameterless_model_leaves_the_cuda_generator_alone():
+    """The budget probe forks the random state of the devices the probe runs on: for a wrapper
+    that registers nothing, its inputs' GPU (before: none, so the probe's dropout moved the
+    caller's CUDA generator and pass 1 drew other masks than a plain step)."""
+    base = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5)).to(DEV).requires_grad_(False)
+    w = {k: v.detach().clone().requires_grad_() for k, v in base.named_parameters()}
+
+    class Functional(torch.nn.Module):
+        def forward(self, v):
+            return torch.func.functional_call(base, w, (v,))
+
+    g = torch.Generator().manual_seed(3)
+    x, y = (torch.randn(64, 16, generator=g).to(DEV) for _ in range(2))
+    loss = lambda p, q: bigbatch.clip_loss(p, q, 2.0, backend="torch")  # noqa: E731
+    torch.manual_seed(0)
+    loss(Functional()(x), Functional()(y)).backward()
+    want, state = w["0.weight"].grad.clone(), torch.cuda.get_rng_state()
+    w["0.weight"].grad = None
+    torch.manual_seed(0)
+    gc = GradCache(Functional(), None, loss, memory_budget="2GiB")
+    gc(x, y)
+    assert gc.last_chunk_sizes == [64, 64]
+    assert torch.equal(torch.cuda.get_rng_state(), state)
+    assert torch.allclose(w["0.weight"].grad, want, rtol=1e-5, atol=1e-7)

@@ -39,6 +39,8 @@ def transformed(*tensors: Any) -> bool:
     it must go through the Function, which refuses it with torch's own clear error."""
     from torch.autograd import forward_ad
 
+    if _compiling():  # dynamo cannot trace the functorch query; a compiled graph sees plain tensors
+        return False
     wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
     for t in tensors:
         if not isinstance(t, torch.Tensor):
@@ -48,6 +50,15 @@ def transformed(*tensors: Any) -> bool:
         if forward_ad.unpack_dual(t).tangent is not None:
             return True
     return False
+
+
+def refuse_transformed(what: str, *tensors: Any) -> None:
+    """Raise for forward-mode AD / ``torch.func`` inputs before any collective: in a ring, one
+    rank refusing them inside the autograd Function would leave the others waiting."""
+    if transformed(*tensors):
+        raise NotImplementedError(
+            f"{what} support neither forward-mode AD (dual tensors) nor torch.func transforms (vmap, grad, "
+            "jvp): use backend='reference' on one process for those")
 
 
 def _compiling() -> bool:

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from . import reference
 from ._amp import autocast_off
+from ._autograd import refuse_transformed
 from ._validate import (
     ScaleArg,
     check_group,
@@ -33,7 +34,10 @@ def _check_inputs(q_name, q, k_name, k, scale, backend, *, same_rows, group, kin
     try:
         check_pair(q_name, q, k_name, k, same_rows=same_rows)
         check_reduction(reduction)
-        return prepare_scalar("scale", scale, q), resolve_backend(backend, q.device, q.dtype)
+        s = prepare_scalar("scale", scale, q)
+        if group is not None:  # (on one process the autograd Function refuses them)
+            refuse_transformed("the ring losses", q, k, s)
+        return s, resolve_backend(backend, q.device, q.dtype)
     except Exception as exc:  # any local failure is shared below, so no rank is left waiting
         if group is None:
             raise

@@ -48,7 +48,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .._autograd import transformed
+from .._autograd import refuse_transformed
 from .._validate import check_pair, prepare_scalar
 from ..backends.base import SigmoidBackend, compute_dtype
 from ..sigmoid_loss import check_class_ids, resolve_sigmoid_backend
@@ -347,12 +347,12 @@ def ring_siglip_loss(
         bad_chunk = not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1
         if chunk_rows is not None and bad_chunk:
             raise ValueError(f"chunk_rows must be None or a positive int, got {chunk_rows!r}")
+        refuse_transformed("the ring losses", image_features, text_features, s, b)
     except Exception as exc:  # any local failure is shared below, so no rank is left waiting
         error = f"{type(exc).__name__}: {exc}"
     ok = error is None
     # the gradient ring sends more messages than the loss-only one: every rank must run the same
-    needs_grad = ok and (torch.is_grad_enabled() and any(t.requires_grad for t in (image_features, text_features, s, b))
-                         or transformed(image_features, text_features, s, b))
+    needs_grad = ok and torch.is_grad_enabled() and any(t.requires_grad for t in (image_features, text_features, s, b))
     table = agree(
         ring,
         device,

@@ -259,6 +259,9 @@ class ChunkProber:
         params = [p for p in model.parameters() if p.requires_grad]  # empty: a frozen model
         device = model_device(model, x)
         devices = model_cuda_devices(model)
+        if device.type == "cuda":  # where the probe runs (a parameterless model: its inputs' device)
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            devices = sorted(set(devices) | {index})
         with forked_rng(devices), buffers_restored([model]), buffers_reset_after([model]), torch.enable_grad():
             def measure(c: int, by_grad: bool) -> Tuple[float, float, float]:
                 # the chunk's tensors that require grad become leaves of the probe's own

@@ -329,11 +329,13 @@ class GradCache:
                 raise ValueError("loss_fn's result has no grad_fn: it does not depend on the representations of "
                                  "a trainable encoder, and the loss has no parameter that requires grad")
             check_loss_params_outside_ddp(loss, models)
-            # with inputs that require grad through a graph of their own (boundaries), the loss may use
-            # them too (a regulariser on an adapter's output): their graph is crossed again by
-            # backward_into_originals, so the loss's backward keeps it (and, with it, the loss's own
-            # saved tensors, until the step returns)
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward(retain_graph=bool(boundaries))
+            # with inputs that require grad through a graph of their own (boundaries), or trainable
+            # tensors a model does not register (Unit.hidden: merged weights W + A @ B), the loss may
+            # use them too (a regulariser): their graph is crossed again by backward_into_originals or
+            # the re-runs, so the loss's backward keeps it (and, with it, the loss's own saved
+            # tensors, until the step returns)
+            retain = bool(boundaries) or any(u.hidden for u in units)
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward(retain_graph=retain)
             sent, graphs = backprop(units, [leaf.grad for leaf in leaves], opts)
             if sent and not graphs:  # a plain step would train the loss's own parameters only, or fail
                 warn_user(

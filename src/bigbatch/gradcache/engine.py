@@ -269,6 +269,22 @@ def grad_slices(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: 
 _FREED = "backward through the graph a second time"  # PyTorch's error for a graph already freed
 
 
+def chunk_backward(tensors: Any, grads: Any, inputs: Optional[List[Tensor]] = None, retain: bool = False) -> None:
+    """``torch.autograd.backward`` of one chunk, with a clear error for a graph found freed."""
+    try:
+        torch.autograd.backward(tensors, grads, inputs=inputs, retain_graph=retain)
+    except RuntimeError as exc:
+        if _FREED not in str(exc):
+            raise
+        raise RuntimeError(
+            "gradient caching: a chunk's backward reached a graph that an earlier backward (another chunk's, or "
+            "the loss's) had already freed. The encoder's forward uses a tensor that requires grad and was computed "
+            "outside it, with a graph of its own (e.g. merged weights W + A @ B built once per step): each chunk "
+            "back-propagates on its own, so compute such tensors inside the encoder's forward. (A model that "
+            "registers no trainable parameter and is fed no input that requires grad is handled: the graph is "
+            "retained per chunk.)") from exc
+
+
 def _send(rep: Tensor, grad: Tensor, opts: EngineOptions, retain: bool = False) -> int:
     """Back-propagate a chunk's slice of the cached gradient; returns 1 if the chunk built a graph,
     0 if its forward used no tensor that requires grad (nothing to send). ``retain``: keep the
@@ -278,17 +294,7 @@ def _send(rep: Tensor, grad: Tensor, opts: EngineOptions, retain: bool = False) 
     targets = opts.grad_targets
     if targets is not None and not targets:
         return 1  # a graph, of which nothing is asked for
-    try:
-        torch.autograd.backward(rep, grad.to(rep.device, rep.dtype), inputs=targets, retain_graph=retain)
-    except RuntimeError as exc:
-        if _FREED not in str(exc):
-            raise
-        raise RuntimeError(
-            "gradient caching: a chunk's backward reached a graph that an earlier chunk's backward had already "
-            "freed. The encoder's forward uses a tensor that requires grad and was computed outside it, with a "
-            "graph of its own (e.g. merged weights W + A @ B built once per step next to registered parameters): "
-            "every chunk would back-propagate through that graph. Compute such tensors inside the forward, or pass "
-            "them as an encoder input (inputs that require grad are supported)") from exc
+    chunk_backward(rep, grad.to(rep.device, rep.dtype), targets, retain)
     return 1
 
 

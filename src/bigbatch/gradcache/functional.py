@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from .buffers import BufferStates, buffers_restored, recording, restoring
 from .chunking import tensor_leaves
-from .engine import Written, compact, grad_mode_dependent
+from .engine import Written, chunk_backward, compact, grad_mode_dependent
 from .lazy import LazyInits, skipping_inits
 from .model_state import ModelState, param_versions
 from .rng import RngState, cuda_devices_of
@@ -138,7 +138,7 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
                     again = _as_tuple(func(*args, **kwargs), func.__name__)
                 pairs = [(t, g) for t, g in zip(again, grads) if g is not None and t.requires_grad]
                 if pairs:
-                    torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])
+                    chunk_backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])
             spent[0] = True
 
         return (*leaves, forward_backward)  # as the public package: rep(s) first, the closure last
