@@ -220,3 +220,17 @@ def test_default_roots_include_importable_site_packages(tmp_path, monkeypatch):
     roots = default_roots()
     assert seen in roots and unseen not in roots
     assert len({r.resolve() for r in roots}) == len(roots)
+
+
+def test_tokenizer_pieces_keep_non_ascii_words():
+    """Words in any script are pieces (before: the ASCII-only pattern dropped every non-ASCII
+    letter, so Cyrillic or Japanese text gave no ids at all); ASCII identifiers still split at
+    underscores and camelCase."""
+    from bigbatch.train.tokenizer import HashTokenizer, pieces
+
+    assert pieces("кошка собака") == ["кошка", "собака"]
+    assert pieces("naïve Straße café") == ["naïve", "straße", "café"]
+    assert pieces("日本語のテキスト") == ["日本語のテキスト"]
+    assert pieces("getSourceSegment get_source_segment HTTPServer x2 42") == [
+        "get", "source", "segment", "get", "source", "segment", "http", "server", "x", "2", "42"]
+    assert HashTokenizer(buckets=64).ids("кошка") != []

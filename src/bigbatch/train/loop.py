@@ -106,6 +106,9 @@ class TrainConfig:
             raise ValueError("--accumulate needs --chunk-size (the micro-batch) and --loss clip")
         if self.hard_negatives < 0 or (self.hard_negatives and self.loss != "infonce"):
             raise ValueError("--hard-negatives must be >= 0 and needs --loss infonce")
+        if self.hard_negatives and self.data == "builtin":
+            raise ValueError("--hard-negatives needs --data FILE.jsonl whose lines carry \"negatives\" "
+                             "(the built-in pairs have none)")
         if self.lr is not None and (self.lr <= 0 or not math.isfinite(self.lr)):
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
         if not 0 <= self.warmup < 1:
@@ -428,7 +431,8 @@ def train(
     data have all been checked, so a bad data file leaves earlier results intact.
     """
     t_start = time.perf_counter()
-    cfg.check()
+    if not resume:  # (resumed: checked once merged with the saved run's options, below)
+        cfg.check()
     cfg = with_absolute_paths(cfg)
     check_extras(cfg.save)
     d, device = setup_distributed(cfg.device)
@@ -459,6 +463,7 @@ def train(
     train_t = Tables(model, splits.train, cfg.hard_negatives)
     held_t = Tables(model, splits.heldout, 0)
     model.to(device)
+    model.train()  # (Hugging Face's from_pretrained returns a model in eval mode)
     opt = Optimizers(model, cfg.peak_lr(), cfg.weight_decay)
     params = opt.params
     scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None

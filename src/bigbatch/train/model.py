@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +62,12 @@ class HFEncoder(nn.Module):
             raise ValueError(f"model directory {path!r} does not exist (expected a Hugging Face model folder)")
         self.model = AutoModel.from_pretrained(path, local_files_only=True)
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        # batches are padded on the right (concat_inputs, select trims trailing columns, masked
+        # mean pooling): a tokenizer set to pad on the left (decoder models) is switched over
+        self.tokenizer.padding_side = "right"
+        limit = _position_limit(self.model, self.tokenizer)
+        if limit is not None and max_length > limit:
+            raise ValueError(f"--max-length {max_length} exceeds the {limit} positions of the model in {path}")
         self.max_length = max_length
         self.config = {"kind": "hf", "path": str(path), "max_length": max_length}
 
@@ -75,6 +81,17 @@ class HFEncoder(nn.Module):
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
         return F.normalize(pooled.float(), dim=-1).to(hidden.dtype)
+
+
+def _position_limit(model: nn.Module, tokenizer: Any) -> Optional[int]:
+    """The longest input the model takes: the tokenizer's ``model_max_length`` when it is set (it
+    accounts for position offsets, e.g. RoBERTa's 514 positions hold 512 tokens), else the model
+    config's ``max_position_embeddings``; ``None`` if neither says."""
+    n = getattr(tokenizer, "model_max_length", None)
+    if isinstance(n, int) and 0 < n < 10**6:  # transformers' "unset" is a huge sentinel
+        return n
+    n = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None
 
 
 def resolve_model_path(spec: str) -> Optional[str]:

@@ -17,17 +17,20 @@ from typing import Dict, List, Sequence
 import torch
 from torch import Tensor
 
-_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\d+")
+_WORD = re.compile(r"[^\W\d]\w*|\d+")  # Unicode words: a letter or _, then letters, digits, _
 _CAMEL = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|\d+")
 
 
 def pieces(text: str) -> List[str]:
-    """Lower-cased word pieces of ``text`` in order (identifiers split at ``_`` and camelCase)."""
+    """Lower-cased word pieces of ``text`` in order (identifiers split at ``_`` and, when ASCII, at
+    camelCase boundaries; a part with other letters, ``кошка`` or ``naïve``, is one piece)."""
     out: List[str] = []
     for word in _WORD.findall(text):
         for part in word.split("_"):
-            if part:
+            if part and part.isascii():
                 out.extend(p.lower() for p in _CAMEL.findall(part))
+            elif part:
+                out.append(part.lower())
     return out
 
 
