@@ -301,3 +301,58 @@ def test_every_chunk_sync_with_uneven_chunk_counts_is_an_error_not_a_hang():
     for r in run_gloo(_every_chunk_worker, 2, timeout=120.0):
         assert 'ddp_sync="every_chunk"' in r[(5, 7)] and "3 to 4" in r[(5, 7)], r
         assert r[(6, 6)] == "ok", r
+
+
+def _probe_worker(rank: int, world: int):
+    """A per-input wrapper around a DDP model, chunks planned from a memory budget, local batches of
+    9 and 20 rows: the ranks probe different row counts (one probe point or two)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bigbatch
+
+    class Wrap(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(29, D_IN, generator=g, dtype=torch.float64), torch.randn(29, D_IN, generator=g, dtype=torch.float64)
+    rows = slice(0, 9) if rank == 0 else slice(9, 29)
+    loss = lambda a, b: bigbatch.clip_loss(a, b, 3.0, group=dist.group.WORLD)  # noqa: E731
+    out = {}
+    for api in ("gradcache", "cached_encode"):
+        torch.manual_seed(0)
+        q = DDP(nn.Sequential(nn.Linear(D_IN, 8), nn.Tanh(), nn.Linear(8, 4)).double())
+        gc = bigbatch.GradCache([Wrap(q), Wrap(q)], loss_fn=loss, memory_budget="6KB")
+        for _ in range(2):  # the second step: DDP's bucket rebuild
+            q.zero_grad(set_to_none=True)
+            if api == "gradcache":
+                gc(x[rows], y[rows])
+            else:
+                m = Wrap(q)
+                loss(bigbatch.cached_encode(m, x[rows], memory_budget="6KB"),
+                     bigbatch.cached_encode(m, y[rows], memory_budget="6KB")).backward()
+        out[api] = [t.grad.clone() for t in q.parameters()]
+    return out
+
+
+def test_budget_probe_inside_a_wrapped_ddp_model_issues_no_collective():
+    """The memory probe ran the wrapped DDP module's own forward (the top-level unwrapping missed
+    it): its collectives, on the ranks and as many times as each rank probed, paired with other
+    ranks' step collectives: a hang (or mismatched data). The probe now bypasses every DDP forward."""
+    results = run_gloo(_probe_worker, 2, timeout=180.0)
+    import bigbatch
+
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(29, D_IN, generator=g, dtype=torch.float64), torch.randn(29, D_IN, generator=g, dtype=torch.float64)
+    torch.manual_seed(0)
+    q = nn.Sequential(nn.Linear(D_IN, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+    bigbatch.clip_loss(q(x), q(y), 3.0).backward()
+    for r in results:
+        for api in ("gradcache", "cached_encode"):
+            for got, want in zip(r[api], (t.grad for t in q.parameters())):
+                assert (got - want).norm() <= 1e-10 * want.norm(), api

@@ -37,6 +37,7 @@ from .lazy import buffers_reset_after
 from .chunking import (batch_size, call_model, check_not_detached, map_tensors, model_device, split_batch,
                        tensor_leaves, to_device)
 from .rng import forked_rng, model_cuda_devices
+from .wrappers import ddp_bypassed
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -262,7 +263,8 @@ class ChunkProber:
         if device.type == "cuda":  # where the probe runs (a parameterless model: its inputs' device)
             index = device.index if device.index is not None else torch.cuda.current_device()
             devices = sorted(set(devices) | {index})
-        with forked_rng(devices), buffers_restored([model]), buffers_reset_after([model]), torch.enable_grad():
+        with forked_rng(devices), buffers_restored([model]), buffers_reset_after([model]), torch.enable_grad(), \
+                ddp_bypassed(model):
             def measure(c: int, by_grad: bool) -> Tuple[float, float, float]:
                 # the chunk's tensors that require grad become leaves of the probe's own
                 # copies (a few rows): a forward that writes its input in place must not touch the batch

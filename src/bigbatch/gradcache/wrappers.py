@@ -4,7 +4,7 @@ FSDP (refused, with the reason)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, List, Sequence
+from typing import Callable, ContextManager, Iterator, List, Sequence
 
 import torch
 from torch import nn
@@ -32,6 +32,23 @@ def ddp_modules(model: nn.Module) -> List[DistributedDataParallel]:
     """The DDP modules in ``model``: itself, or inside a wrapper (a per-input module around a
     shared DDP model)."""
     return [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
+
+
+@contextlib.contextmanager
+def ddp_bypassed(model: nn.Module) -> Iterator[None]:
+    """Every DDP module in ``model`` (itself, or inside a per-input wrapper) forwards straight to its
+    wrapped module: no collective. For the memory probe, which runs on some ranks only, or a
+    different number of times per rank (its row counts follow the local batch, its cache the
+    local input shapes): a DDP forward there (bucket rebuild, buffer broadcast) would pair with
+    another rank's step collectives and hang or exchange mismatched data."""
+    ddps = ddp_modules(model)
+    for d in ddps:
+        d.forward = d.module.__call__  # an instance attribute shadows DistributedDataParallel.forward
+    try:
+        yield
+    finally:
+        for d in ddps:
+            del d.forward
 
 
 def is_model_list(m: object) -> bool:
