@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
 from bigbatch.bench.common import hardware
 from bigbatch.bench.gradcache import DualEncoder, _inputs, _rep
 from bigbatch.gradcache.chunking import split_rows
+from gradcache_idle_probe import timed as idle_timed  # (experiments/ is the script's directory)
 
 AMP = dict(device_type="cuda", dtype=torch.bfloat16)
 
@@ -64,22 +64,13 @@ def pass1(models_chunks, n_streams: int):
 
 
 def timed(fn, repeat=7):
-    fn()
+    """gradcache_idle_probe's CUDA-event median, plus the peak memory the calls add."""
     torch.cuda.synchronize()
-    times, issue = [], []
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    for _ in range(repeat):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        t0 = time.perf_counter()
-        fn()
-        issue.append((time.perf_counter() - t0) * 1e3)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return {"median_ms": statistics.median(times), "times_ms": times, "issue_ms": statistics.median(issue),
-            "peak_extra_gib": (torch.cuda.max_memory_allocated() - base) / 2**30}
+    out = idle_timed(fn, repeat=repeat)
+    out["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return out
 
 
 def main():
@@ -116,9 +107,9 @@ def main():
                 key = f"{name}_streams{n}"
                 t = timed(lambda: pass1(mc, n))
                 res["variants"].setdefault(key, []).append(t)
-                print(r, key, round(t["median_ms"], 2), "issue", round(t["issue_ms"], 2),
+                print(r, key, round(t["ms"], 2), "issue", round(t["issue_ms"], 2),
                       "peak", round(t["peak_extra_gib"], 3), flush=True)
-    res["summary_ms"] = {k: statistics.median(x["median_ms"] for x in v) for k, v in res["variants"].items()}
+    res["summary_ms"] = {k: statistics.median(x["ms"] for x in v) for k, v in res["variants"].items()}
     print(json.dumps(res["summary_ms"], indent=1))
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)

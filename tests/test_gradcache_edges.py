@@ -967,6 +967,26 @@ def test_an_optimizer_step_inside_the_cached_backward_is_an_error(api):
         step()
 
 
+class _MergedLoRA(nn.Module):
+    """A wrapper that registers nothing and applies ``base`` through functional_call with merged
+    LoRA weights ``W + A @ B``, built by ``merge()`` once per step: a non-leaf with a graph of its
+    own (``A @ B`` saves A and B). ``a`` and ``b`` are the trainable factors."""
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.__dict__["base"] = base.to(F64).requires_grad_(False)  # not registered
+        self.__dict__["a"] = nn.Parameter(0.1 * torch.randn(8, 2, dtype=F64))
+        self.__dict__["b"] = nn.Parameter(0.1 * torch.randn(2, 5, dtype=F64))
+        self.__dict__["w"] = None
+
+    def merge(self) -> torch.Tensor:
+        self.__dict__["w"] = dict(self.base.named_parameters(), **{"0.weight": self.base[0].weight + self.a @ self.b})
+        return self.w["0.weight"]
+
+    def forward(self, v):
+        return torch.func.functional_call(self.base, self.w, (v,))
+
+
 @pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
 def test_unregistered_trainables_with_a_graph_of_their_own(api):
     """Merged LoRA weights W + A @ B built once per step and applied through functional_call (the
@@ -977,20 +997,8 @@ def test_unregistered_trainables_with_a_graph_of_their_own(api):
     g = torch.Generator().manual_seed(6)
     x, y = torch.randn(9, 5, generator=g, dtype=F64), torch.randn(9, 5, generator=g, dtype=F64)
     torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.2), nn.Tanh()).to(F64).requires_grad_(False)
-    a, b = nn.Parameter(0.1 * torch.randn(8, 2, dtype=F64)), nn.Parameter(0.1 * torch.randn(2, 5, dtype=F64))
-    box = {}
-
-    class Merged(nn.Module):
-        def forward(self, v):
-            return torch.func.functional_call(base, box["w"], (v,))
-
-    def merge():
-        w = dict(base.named_parameters())
-        w["0.weight"] = w["0.weight"] + a @ b  # a non-leaf: its own graph
-        box["w"] = w
-
-    model = Merged()
+    model = _MergedLoRA(nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.2), nn.Tanh()))
+    a, b, merge = model.a, model.b, model.merge
     merge()
     torch.manual_seed(1)
     reps = [torch.cat([model(c) for c in split_batch(t, 4, short_first=True)]) for t in (x, y)]
@@ -1058,21 +1066,10 @@ def test_unregistered_trainables_in_the_loss_too_and_where_pass_1_cannot_see_the
     from bigbatch.gradcache import cached
 
     torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(5, 8), nn.Tanh()).to(F64).requires_grad_(False)
-    a, b = nn.Parameter(0.1 * torch.randn(8, 2, dtype=F64)), nn.Parameter(0.1 * torch.randn(2, 5, dtype=F64))
-    box = {}
-
-    class Merged(nn.Module):
-        def forward(self, v):
-            return torch.func.functional_call(base, box["w"], (v,))
-
-    def merge():
-        box["w"] = dict(base.named_parameters(), **{"0.weight": base[0].weight + a @ b})  # saves a, b
-        return box["w"]["0.weight"]
-
+    model = _MergedLoRA(nn.Sequential(nn.Linear(5, 8), nn.Tanh()))
+    a, merge = model.a, model.merge
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(9, 5, generator=g, dtype=F64), torch.randn(9, 5, generator=g, dtype=F64)
-    model = Merged()
     w = merge()
     (clip(model(x), model(y)) + w.pow(2).sum()).backward()
     want, a.grad = a.grad.clone(), None
