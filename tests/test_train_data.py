@@ -231,6 +231,9 @@ def test_tokenizer_pieces_keep_non_ascii_words():
     assert pieces("кошка собака") == ["кошка", "собака"]
     assert pieces("naïve Straße café") == ["naïve", "straße", "café"]
     assert pieces("日本語のテキスト") == ["日本語のテキスト"]
+    # combining marks continue a word (Python's \w has none); decomposed text is NFC-normalised
+    assert pieces("हिन्दी काम தமிழ்") == ["हिन्दी", "काम", "தமிழ்"]
+    assert pieces("cafe\u0301") == ["café"]
     assert pieces("getSourceSegment get_source_segment HTTPServer x2 42") == [
         "get", "source", "segment", "get", "source", "segment", "http", "server", "x", "2", "42"]
     assert HashTokenizer(buckets=64).ids("кошка") != []

@@ -461,3 +461,18 @@ def test_hf_tokenizer_padding_left_and_max_length_beyond_the_model(tmp_path):
         assert torch.allclose(enc(**batch), alone, atol=1e-6)
     with pytest.raises(ValueError, match="--max-length 1000 exceeds the 512 positions"):
         HFEncoder(_minilm(tmp_path), max_length=1000)
+
+
+def test_resume_checks_the_saved_backend_on_this_machine(tmp_path, data, capsys, monkeypatch):
+    """A run saved with --backend triton (e.g. on a GPU machine) resumed on a CPU-only one: the
+    merged options' backend is checked here too (before: only the command line's default)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out = tmp_path / "o"
+    cfg = TrainConfig(data=str(data[0]), eval_data=str(data[1]), batch_size=64, chunk_size=16, steps=3,
+                      buckets=4096, dim=32, max_length=16, progress=False, out=str(out))
+    train(cfg, stop_after=1, log=lambda s: None)
+    saved = json.loads((out / "config.json").read_text())
+    saved["backend"] = "triton"
+    (out / "config.json").write_text(json.dumps(saved))
+    assert _run("--resume", "--out", out, "--device", "cpu") == 2
+    assert "--backend triton" in capsys.readouterr().err

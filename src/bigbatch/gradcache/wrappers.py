@@ -42,13 +42,18 @@ def ddp_bypassed(model: nn.Module) -> Iterator[None]:
     local input shapes): a DDP forward there (bucket rebuild, buffer broadcast) would pair with
     another rank's step collectives and hang or exchange mismatched data."""
     ddps = ddp_modules(model)
-    for d in ddps:
-        d.forward = d.module.__call__  # an instance attribute shadows DistributedDataParallel.forward
+    own = [d.__dict__.get("forward") for d in ddps]  # a forward the user set on the instance
+    for d, f in zip(ddps, own):
+        # an instance attribute shadows DistributedDataParallel.forward; a user's own is kept
+        d.forward = f if f is not None else d.module.__call__
     try:
         yield
     finally:
-        for d in ddps:
-            del d.forward
+        for d, f in zip(ddps, own):
+            if f is None:
+                del d.forward
+            else:
+                d.forward = f
 
 
 def is_model_list(m: object) -> bool:
@@ -91,7 +96,7 @@ def check_not_parametrize_cached(what: str, models: Sequence[nn.Module]) -> None
 def check_not_fsdp(model: nn.Module) -> None:
     """Raise ``NotImplementedError`` (with the reason) if ``model`` or a submodule is FSDP-wrapped,
     or ``ValueError`` for a DDP module built with ``static_graph=True``."""
-    if is_ddp(model) and getattr(model, "static_graph", False):
+    if any(getattr(d, "static_graph", False) for d in ddp_modules(model)):  # itself or in a wrapper
         raise ValueError(
             "GradCache needs DistributedDataParallel(static_graph=False): a cached step runs each chunk's "
             "forward twice and back-propagates chunk by chunk, which a static graph (one forward and one "

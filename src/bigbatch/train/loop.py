@@ -441,6 +441,7 @@ def train(
     if resume:
         cfg = merged_config(cfg, out, explicit)
         cfg.check()
+        check_backend(cfg, device)  # the saved run's backend, on this machine
     if cfg.precision == "fp16" and device.type != "cuda":
         raise ValueError("--precision fp16 needs a CUDA device (use bf16 on CPU)")
     if cfg.batch_size % d.world:

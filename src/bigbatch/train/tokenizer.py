@@ -11,21 +11,53 @@ Different pieces may share an id (hash collisions); with 2**18 buckets that is r
 from __future__ import annotations
 
 import re
+import unicodedata
 import zlib
 from typing import Dict, List, Sequence
 
 import torch
 from torch import Tensor
 
-_WORD = re.compile(r"[^\W\d]\w*|\d+")  # Unicode words: a letter or _, then letters, digits, _
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\d+")  # ASCII text: identifiers and numbers
 _CAMEL = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|\d+")
+
+
+def _in_word(ch: str) -> bool:
+    """A character that continues a word: a letter, a combining mark (Devanagari vowel signs,
+    Hebrew points), a decimal digit or ``_``."""
+    cat = unicodedata.category(ch)
+    return ch == "_" or cat[0] in "LM" or cat == "Nd"
+
+
+def words(text: str) -> List[str]:
+    """Words (a letter or ``_``, then letters, marks, digits, ``_``) and runs of decimal digits, in
+    order. ASCII text takes the regex; other text is NFC-normalised and scanned by Unicode
+    category (Python's ``\w`` has no combining marks, which would cut ``हिन्दी`` apart). Both
+    give the same words for ASCII characters."""
+    if text.isascii():
+        return _WORD.findall(text)
+    text = unicodedata.normalize("NFC", text)
+    out, i, n = [], 0, len(text)
+    while i < n:
+        cat = unicodedata.category(text[i])
+        j = i + 1
+        if text[i] == "_" or cat[0] == "L":
+            while j < n and _in_word(text[j]):
+                j += 1
+            out.append(text[i:j])
+        elif cat == "Nd":
+            while j < n and unicodedata.category(text[j]) == "Nd":
+                j += 1
+            out.append(text[i:j])
+        i = j
+    return out
 
 
 def pieces(text: str) -> List[str]:
     """Lower-cased word pieces of ``text`` in order (identifiers split at ``_`` and, when ASCII, at
-    camelCase boundaries; a part with other letters, ``кошка`` or ``naïve``, is one piece)."""
+    camelCase boundaries; a part with other letters, ``кошка``, ``naïve`` or ``हिन्दी``, is one piece)."""
     out: List[str] = []
-    for word in _WORD.findall(text):
+    for word in words(text):
         for part in word.split("_"):
             if part and part.isascii():
                 out.extend(p.lower() for p in _CAMEL.findall(part))
