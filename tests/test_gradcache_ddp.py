@@ -327,6 +327,9 @@ def _probe_worker(rank: int, world: int):
     for api in ("gradcache", "cached_encode"):
         torch.manual_seed(0)
         q = DDP(nn.Sequential(nn.Linear(D_IN, 8), nn.Tanh(), nn.Linear(8, 4)).double())
+        if api == "gradcache":  # a user's own instance forward calling DDP's: bypassed in the probe too
+            original = q.forward
+            q.forward = lambda v: original(v)
         gc = bigbatch.GradCache([Wrap(q), Wrap(q)], loss_fn=loss, memory_budget="6KB")
         for _ in range(2):  # the second step: DDP's bucket rebuild
             q.zero_grad(set_to_none=True)
@@ -390,7 +393,8 @@ def _wrapped_ddp_edges(rank: int, world: int):
         return original(v)
 
     q.forward = mine
-    bigbatch.GradCache([Wrap(q), Wrap(q)], loss_fn=loss, memory_budget="4KB")(x, x)
+    xs = torch.randn(9 if rank == 0 else 20, D_IN, dtype=torch.float64)  # the ranks probe different rows
+    bigbatch.GradCache([Wrap(q), Wrap(q)], loss_fn=loss, memory_budget="4KB")(xs, xs)
     out["forward_kept"] = q.__dict__.get("forward") is mine
     n = len(calls)
     q(x)
@@ -401,7 +405,8 @@ def _wrapped_ddp_edges(rank: int, world: int):
 def test_wrapped_ddp_static_graph_refused_and_a_user_forward_kept():
     """static_graph=True inside a per-input wrapper gets the clear refusal (before: PyTorch's
     internal reducer assert); the memory probe's DDP bypass restores a forward the user had set
-    on the DDP instance (before: deleted, so the class forward ran from then on)."""
+    on the DDP instance (before: deleted, so the class forward ran from then on), and bypasses it
+    during the probe too (a user forward calling DDP's would run collectives on some ranks only)."""
     for r in run_gloo(_wrapped_ddp_edges, 2, timeout=120.0):
         assert "static_graph=False" in r["static"]
         assert r["forward_kept"] and r["called"]

@@ -234,6 +234,8 @@ def test_tokenizer_pieces_keep_non_ascii_words():
     # combining marks continue a word (Python's \w has none); decomposed text is NFC-normalised
     assert pieces("हिन्दी काम தமிழ்") == ["हिन्दी", "काम", "தமிழ்"]
     assert pieces("cafe\u0301") == ["café"]
+    # numerals other than decimal digits stay in words, as Python's \w keeps them
+    assert pieces("H₂O x² 二〇二四年") == ["h₂o", "x²", "二〇二四年"]
     assert pieces("getSourceSegment get_source_segment HTTPServer x2 42") == [
         "get", "source", "segment", "get", "source", "segment", "http", "server", "x", "2", "42"]
     assert HashTokenizer(buckets=64).ids("кошка") != []

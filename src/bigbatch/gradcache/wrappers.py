@@ -42,10 +42,9 @@ def ddp_bypassed(model: nn.Module) -> Iterator[None]:
     local input shapes): a DDP forward there (bucket rebuild, buffer broadcast) would pair with
     another rank's step collectives and hang or exchange mismatched data."""
     ddps = ddp_modules(model)
-    own = [d.__dict__.get("forward") for d in ddps]  # a forward the user set on the instance
-    for d, f in zip(ddps, own):
-        # an instance attribute shadows DistributedDataParallel.forward; a user's own is kept
-        d.forward = f if f is not None else d.module.__call__
+    own = [d.__dict__.get("forward") for d in ddps]  # a forward the user set on the instance: put back after
+    for d in ddps:
+        d.forward = d.module.__call__  # an instance attribute shadows DistributedDataParallel.forward
     try:
         yield
     finally:

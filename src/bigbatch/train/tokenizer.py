@@ -23,30 +23,28 @@ _CAMEL = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|\d+")
 
 
 def _in_word(ch: str) -> bool:
-    """A character that continues a word: a letter, a combining mark (Devanagari vowel signs,
-    Hebrew points), a decimal digit or ``_``."""
-    cat = unicodedata.category(ch)
-    return ch == "_" or cat[0] in "LM" or cat == "Nd"
+    r"""A character that continues a word: what Python's ``\w`` matches (letters, all numerals,
+    ``_``) and combining marks (Devanagari vowel signs, Hebrew points), which ``\w`` lacks."""
+    return ch.isalnum() or ch == "_" or unicodedata.category(ch)[0] == "M"
 
 
 def words(text: str) -> List[str]:
-    """Words (a letter or ``_``, then letters, marks, digits, ``_``) and runs of decimal digits, in
-    order. ASCII text takes the regex; other text is NFC-normalised and scanned by Unicode
-    category (Python's ``\w`` has no combining marks, which would cut ``हिन्दी`` apart). Both
-    give the same words for ASCII characters."""
+    r"""Words (a ``\w`` character that is not a decimal digit, then word characters and marks) and
+    runs of decimal digits, in order. ASCII text takes the regex; other text is NFC-normalised and
+    scanned (``\w`` alone would cut ``हिन्दी`` apart at its vowel signs). Both give the same words
+    for ASCII characters."""
     if text.isascii():
         return _WORD.findall(text)
     text = unicodedata.normalize("NFC", text)
     out, i, n = [], 0, len(text)
     while i < n:
-        cat = unicodedata.category(text[i])
-        j = i + 1
-        if text[i] == "_" or cat[0] == "L":
-            while j < n and _in_word(text[j]):
+        ch, j = text[i], i + 1
+        if ch.isdecimal():
+            while j < n and text[j].isdecimal():
                 j += 1
             out.append(text[i:j])
-        elif cat == "Nd":
-            while j < n and unicodedata.category(text[j]) == "Nd":
+        elif ch.isalnum() or ch == "_":
+            while j < n and _in_word(text[j]):
                 j += 1
             out.append(text[i:j])
         i = j
