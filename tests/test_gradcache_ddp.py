@@ -21,6 +21,17 @@ from distributed_harness import run_gloo
 B_LOCAL, CHUNK, D_IN = 6, 2, 5
 
 
+class Wrap(nn.Module):
+    """A per-input wrapper around a shared DDP model (GradCache finds the DDP module inside)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
 def _encoder() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(D_IN, 12), nn.Dropout(0.3), nn.LayerNorm(12), nn.Linear(12, 6)).double()
@@ -155,14 +166,6 @@ def _uneven_worker(rank: int, world: int):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import bigbatch
-
-    class Wrap(nn.Module):  # a per-input wrapper around a shared DDP model
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            return self.inner(x)
 
     x, y = _data(world)
     rows = [4, 8][rank]
@@ -311,14 +314,6 @@ def _probe_worker(rank: int, world: int):
 
     import bigbatch
 
-    class Wrap(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            return self.inner(x)
-
     g = torch.Generator().manual_seed(7)
     x, y = torch.randn(29, D_IN, generator=g, dtype=torch.float64), torch.randn(29, D_IN, generator=g, dtype=torch.float64)
     rows = slice(0, 9) if rank == 0 else slice(9, 29)
@@ -362,18 +357,9 @@ def test_budget_probe_inside_a_wrapped_ddp_model_issues_no_collective():
 
 
 def _wrapped_ddp_edges(rank: int, world: int):
-    import torch.distributed as dist  # noqa: F401  (the harness initialised the group)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import bigbatch
-
-    class Wrap(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            return self.inner(x)
 
     out = {}
     loss = lambda a, b: bigbatch.clip_loss(a, b, 2.0)  # noqa: E731
