@@ -14,6 +14,7 @@ import functools
 from typing import Any, Callable, TypeVar
 
 import torch
+from torch.autograd import forward_ad
 from torch.autograd.function import once_differentiable
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -37,8 +38,6 @@ def transformed(*tensors: Any) -> bool:
     transform (vmap, grad, jvp). Such an input has ``requires_grad=False``, yet a loss-only fast
     path that skips the autograd Function would drop its tangent or fail deep inside a kernel:
     it must go through the Function, which refuses it with torch's own clear error."""
-    from torch.autograd import forward_ad
-
     if _compiling():  # dynamo cannot trace the functorch query; a compiled graph sees plain tensors
         return False
     wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)

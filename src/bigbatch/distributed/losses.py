@@ -21,7 +21,7 @@ from torch import Tensor
 from .._validate import check_int_vector, label_range
 from ..backends.base import TileBackend, compute_dtype
 from .gather import gather_rows_with_grad
-from .ring import Ring, agree, dtype_code, global_value, offsets
+from .ring import Ring, agree, dtype_code, error_message, global_value, offsets
 from .softmax import RingPlan, grad_chunk_rows, own_positives, positive_index, ring_softmax_stats
 
 Backend = Union[str, TileBackend]
@@ -85,7 +85,7 @@ def raise_on_every_rank(group, kind: str, exc: Exception, device: Optional[torch
     ring = Ring.of(group)
     try:  # (on the group's metadata device: ring.exchange_device; ``device``, the features', if any)
         agree(ring, device or torch.device("cpu"), dict.fromkeys(_FIELDS, 0.0),
-              local_error=f"{type(exc).__name__}: {exc}", what=f"{kind}_loss(group=...)")
+              local_error=error_message(exc), what=f"{kind}_loss(group=...)")
     except ValueError:
         pass  # the collective's error names every failing rank; this rank raises its own below
     raise exc
@@ -202,7 +202,7 @@ def ring_infonce_loss(
     err, lo, hi = _local_label_error(labels, b, n, q.device)
     try:
         table = _agree(ring, q, k, scale, kind="infonce", reduction=reduction, path=backend,
-                       local_error=f"{type(err).__name__}: {err}" if err is not None else None,
+                       local_error=error_message(err) if err is not None else None,
                        lo=lo, hi=hi, has_labels=labels is not None, grad_chunk=grad_chunk)
     except ValueError:
         if err is not None:  # as raise_on_every_rank: the failing rank raises its own exception

@@ -233,6 +233,11 @@ def _layout_code(names: Sequence[str]) -> float:
     return float(zlib.crc32(",".join(names).encode()))
 
 
+def error_message(exc: BaseException) -> str:
+    """How a rank's local exception is shared with the others (``agree``'s ``local_error``)."""
+    return f"{type(exc).__name__}: {exc}"
+
+
 def agree(
     ring: Ring,
     device: torch.device,

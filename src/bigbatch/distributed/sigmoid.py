@@ -52,7 +52,7 @@ from .._autograd import refuse_transformed
 from .._validate import check_pair, prepare_scalar
 from ..backends.base import SigmoidBackend, compute_dtype
 from ..sigmoid_loss import check_class_ids, resolve_sigmoid_backend
-from .ring import Ring, agree, dtype_code, global_value
+from .ring import Ring, agree, dtype_code, error_message, global_value
 from .._amp import autocast_off
 from .._autograd import first_order
 
@@ -349,7 +349,7 @@ def ring_siglip_loss(
             raise ValueError(f"chunk_rows must be None or a positive int, got {chunk_rows!r}")
         refuse_transformed("the ring losses", image_features, text_features, s, b)
     except Exception as exc:  # any local failure is shared below, so no rank is left waiting
-        error = f"{type(exc).__name__}: {exc}"
+        error = error_message(exc)
     ok = error is None
     # the gradient ring sends more messages than the loss-only one: every rank must run the same
     needs_grad = ok and torch.is_grad_enabled() and any(t.requires_grad for t in (image_features, text_features, s, b))

@@ -28,7 +28,7 @@ from .chunking import batch_size, check_offload_target, chunk_rows, model_device
 from .engine import EngineOptions, Unit, backprop, encode, finalize_plan
 from .inputs import backward_into_originals, inputs_require_grad, with_boundaries
 from .wrappers import (DDP_SYNC_MODES, check_loss_params_outside_ddp, check_not_fsdp, check_not_parametrize_cached,
-                       ddp_modules, is_ddp, is_model_list, warn_user)
+                       ddp_modules, is_model_list, warn_user)
 
 _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 # Chunk sizes and kept graphs are planned against 95% of the budget (the 5%: allocator rounding and
@@ -242,11 +242,11 @@ class GradCache:
         return planning_budget(budget, _BUDGET_FRACTION, cached, allocated_now(devices), can_offload)
 
     def _cost(self, model: nn.Module, x: Any):
-        module = model.module if is_ddp(model) else model
         from .engine import _autocast
 
-        amp = _autocast(model_device(module, x), self.autocast_dtype)
-        return probe_cost(self._prober, module, x, self.get_rep_fn or _identity, amp, self.autocast_dtype,
+        amp = _autocast(model_device(model, x), self.autocast_dtype)
+        # (the probe bypasses the forward of every DDP module in the model: wrappers.ddp_bypassed)
+        return probe_cost(self._prober, model, x, self.get_rep_fn or _identity, amp, self.autocast_dtype,
                           custom_split=self.split_input_fn is not None)
 
     def _plan_keep(self, units: List[Unit], costs, usable: Optional[int], trainable: Sequence[bool]) -> None:

@@ -26,7 +26,7 @@ from .cache import _BUDGET_FRACTION, _identity, check_callables, check_options, 
 from .chunking import batch_size, check_offload_target, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, _autocast, backprop, encode, finalize_plan
 from .inputs import Pairs, inputs_require_grad, with_boundaries
-from .wrappers import check_not_fsdp, check_not_parametrize_cached, ddp_modules, is_ddp, is_model_list, warn_user
+from .wrappers import check_not_fsdp, check_not_parametrize_cached, ddp_modules, is_model_list, warn_user
 
 _PROBER = ChunkProber()
 
@@ -167,8 +167,7 @@ def cached_encode(
     sized_from_budget = chunk_size is None
     if sized_from_budget:
         budget = budget or default_budget(device, "chunk_size")
-        module = model.module if is_ddp(model) else model
-        cost = probe_cost(_PROBER, module, bounded, get_rep, _autocast(device, autocast_dtype), autocast_dtype,
+        cost = probe_cost(_PROBER, model, bounded, get_rep, _autocast(device, autocast_dtype), autocast_dtype,
                           custom_split=split_input_fn is not None)
         b = batch_size(inputs)
         cached = 0.0 if offloads(offload_reps, device) else cost.cached(b)
