@@ -87,12 +87,17 @@ def run_case(c: dict) -> dict:
     r_bias = r_leaves[3] if c["loss"] == "siglip" else bias.detach().double()
     r_loss = call(reference, r_leaves[0], r_leaves[1], r_leaves[2], r_bias)
     r_grads = torch.autograd.grad(r_loss, r_leaves)
-    errs = {"loss": rel(loss, r_loss, floor=1e-3)}  # B = 1: the true loss is 0, ours ~1e-7
+    # fp32 features on the softmax kernels multiply in TF32 by default (10-bit mantissa): a logit
+    # then carries an absolute error up to ~1e-3 * scale, so a true loss of 0 (B = N = 1) comes out
+    # as ~1e-4 * scale, and P_ii - 1 (true 0) as the forward/backward difference in summation order.
+    tf32 = c["dtype"] == "float32" and c["backend"] == "triton" and c["loss"] != "siglip"
+    errs = {"loss": rel(loss, r_loss, floor=max(1e-3, 0.1 * c["scale"] if tf32 else 0.0))}
     # Floors: near convergence (P_ii -> 1) the true gradient can be far below fp32's resolution of
-    # the probabilities (~1e-7 absolute); a row's gradient is ~scale/B in size, so an absolute
-    # error of 1e-4 * scale/B per row is rounding, while a wrong result is ~scale/B.
+    # the probabilities (~1e-7 absolute; ~1e-5 with TF32 products); a row's gradient is ~scale/B in
+    # size, so an absolute error of 1e-4 (TF32: 1e-3) * scale/B per row is rounding, while a wrong
+    # result is ~scale/B.
     for name, a, r in zip(["dq", "dk", "dscale", "dbias"], grads, r_grads):
-        floor = 0.05 if a.dim() == 0 else 1e-4 * c["scale"] * a.shape[0] ** 0.5 / c["b"]
+        floor = 0.05 if a.dim() == 0 else (1e-3 if tf32 else 1e-4) * c["scale"] * a.shape[0] ** 0.5 / c["b"]
         errs[name] = rel(a, r, floor=floor)
     dtype_ok = all(a.dtype == t.dtype for a, t in zip(grads, leaves))
     tol = TOL[dtype]
