@@ -24,6 +24,10 @@ CASES = [
     ("infonce", "labels_list", TypeError),
     ("infonce", "labels_float", TypeError),
     ("infonce", "fewer_keys_than_queries", ValueError),
+    # ClipLoss checks its logit_bias before the ring (before: after its forward, so the other
+    # ranks waited in the ring's backward until the group's timeout)
+    ("ClipLoss", "bias_per_logit", ValueError),
+    ("ClipLoss", "bias_string", TypeError),
 ]
 
 
@@ -50,6 +54,11 @@ def _call(rank: int, loss: str, bad: str):
             kwargs["labels"] = torch.arange(q.shape[0], dtype=torch.float32)
         elif bad == "fewer_keys_than_queries":
             k = k[:-1]
+    if loss == "ClipLoss":
+        q.requires_grad_()
+        bias = {"bias_per_logit": torch.zeros(3), "bias_string": "high"}[bad] if rank == 1 else torch.tensor(-1.0)
+        bigbatch.ClipLoss(group=dist.group.WORLD)(q, k, scale, bias).backward()
+        return None
     fn = bigbatch.clip_loss if loss == "clip" else bigbatch.infonce_loss
     return fn(q, k, scale, **kwargs)
 

@@ -409,7 +409,8 @@ def test_auto_chunk_from_budget_on_cpu():
     with pytest.raises(ValueError, match="chunk_sizes=<rows per chunk> or memory_budget"):
         GradCache(models, loss_fn=clip())(x, y)
     with pytest.raises(ValueError, match="too small for even one example"):
-        GradCache(models, loss_fn=clip(), memory_budget=12_000)(x, y)  # > the cached representations
+        # > the cached representations (and the .grad of l1b, which this input leaves unused and None)
+        GradCache(models, loss_fn=clip(), memory_budget=13_500)(x, y)
 
 
 def test_parse_memory():
@@ -727,3 +728,65 @@ def test_cuda_probe_discards_a_first_unmeasured_run(monkeypatch):
     monkeypatch.setattr(budget, "model_device", lambda m, x=None: torch.device("cpu"))
     budget.ChunkProber().cost(nn.Linear(6, 8), torch.zeros(100, 6), lambda o: o, contextlib.nullcontext, None)
     assert calls == [16, 48]  # the CPU estimate (saved-tensor bytes) has no allocator state
+
+
+def test_the_plan_counts_the_grad_tensors_the_step_creates():
+    """After ``zero_grad()`` (``.grad`` None) the step creates every ``.grad``, held beside each
+    later chunk's new gradients: the plan counts those bytes, once per shared parameter, and only
+    for parameters that are trained and have no ``.grad`` yet."""
+    from bigbatch.gradcache.budget import in_use_at_start
+
+    shared = nn.Linear(64, 64)
+    q_enc, p_enc = nn.Sequential(shared, nn.Tanh()), nn.Sequential(shared, nn.Linear(64, 32))
+    frozen = p_enc[1].bias.requires_grad_(False)
+    cpu = [torch.device("cpu")]
+    nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)
+    assert in_use_at_start(cpu, [q_enc, p_enc]) == nbytes(shared.weight, shared.bias, p_enc[1].weight)
+    shared.weight.grad = torch.zeros_like(shared.weight)
+    assert in_use_at_start(cpu, [q_enc, p_enc]) == nbytes(shared.bias, p_enc[1].weight)
+    assert in_use_at_start([torch.device("meta")], [q_enc, p_enc]) == 0
+    assert frozen.grad is None
+    # a sparse embedding's .grad holds only the touched rows: its table is not counted
+    bag = nn.Sequential(nn.EmbeddingBag(10_000, 16, sparse=True), nn.Linear(16, 8))
+    assert in_use_at_start(cpu, [bag]) == nbytes(bag[1].weight, bag[1].bias)
+
+    # a budget below the gradients the step creates: refused before anything runs
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 16)).double()
+    x, y = torch.randn(512, 256, dtype=torch.float64), torch.randn(512, 256, dtype=torch.float64)
+    g = nbytes(*model.parameters())
+    with pytest.raises(ValueError, match=r"\.grad tensors the step creates"):
+        GradCache(model, loss_fn=clip(), memory_budget=g // 2)(x, y)
+    with pytest.raises(ValueError, match=r"\.grad tensors the step creates"):
+        cached_encode(model, x, memory_budget=g // 2)
+    # a budget that holds them: smaller chunks with .grad None than with every .grad already there
+    gc = GradCache(model, loss_fn=clip(), memory_budget=3 * g)
+    gc(x, y)
+    with_none = gc.last_chunk_sizes
+    gc(x, y)  # .grad now exists
+    assert with_none[0] < gc.last_chunk_sizes[0] < 512, (with_none, gc.last_chunk_sizes)
+
+
+def test_a_small_batch_is_probed_at_two_sizes():
+    """A batch under the first probe size (16 rows) is still probed at two sizes: one point alone
+    would charge the fixed part (the parameters' gradients) per row, so a smaller chunk's peak was
+    under-counted and planned over budget."""
+    from bigbatch.gradcache import budget
+
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256)).double()
+    params = list(model.parameters())
+    for b in (2, 12, 16):
+        x = torch.randn(b, 256, dtype=torch.float64)
+        cost = budget.ChunkProber().cost(model, x, lambda o: o, contextlib.nullcontext, None)
+        for c in (b // 2, b):
+            measured = budget._measure(model, x[:c], lambda o: o, contextlib.nullcontext, params, torch.device("cpu"))[0]
+            assert cost.peak(c) >= measured * (1 - 1e-9), (b, c, cost.peak(c), measured)
+
+
+def test_the_fitted_line_stays_above_both_probes(monkeypatch):
+    """Large weights, small activations: the slope floor (half the larger probe's bytes per row)
+    must not pull the line below the smaller probe's measured peak."""
+    from bigbatch.gradcache import budget
+
+    monkeypatch.setattr(budget, "_measure", lambda model, x, *a, **k: (1000.0 + x.shape[0], 0.5 * x.shape[0], 8.0 * x.shape[0]))
+    cost = budget.ChunkProber().cost(nn.Linear(6, 8), torch.zeros(100, 6), lambda o: o, contextlib.nullcontext, None)
+    assert cost.peak(16) >= 1016.0 and cost.peak(48) >= 1048.0, (cost.fixed, cost.per_row)

@@ -176,6 +176,41 @@ def test_budget_is_respected_and_chunks_are_exact():
     assert rel(got, grads(models)) <= 2e-2
 
 
+@pytest.mark.parametrize("api", ["GradCache", "cached_encode"])
+def test_budget_holds_when_the_step_creates_every_grad(api):
+    """After ``zero_grad()`` every ``.grad`` is None: the step creates them (the weights' size again)
+    and holds them beside each later chunk's new gradients. The budget must hold all of it."""
+    torch.manual_seed(0)
+    d = 1024
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.Tanh()) for _ in range(6)]).to(DEV)
+    x, y = torch.randn(1024, d, device=DEV), torch.randn(1024, d, device=DEV)
+    clip = lambda a, b: bigbatch.clip_loss(a, b, 5.0)
+
+    def step(budget):
+        if api == "GradCache":
+            gc = GradCache(model, loss_fn=clip, memory_budget=budget)
+            gc(x, y)
+            return gc.last_chunk_rows
+        a, b = (cached_encode(model, t, memory_budget=budget) for t in (x, y))
+        clip(a, b).backward()
+        return None
+
+    model(x[:64]).sum().backward()  # library workspaces, as after earlier steps
+    for _ in range(2):  # the first step probes; the second is measured
+        zero([model])
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        budget = base + 100 * 2**20  # 24 MiB of weights; 48 MiB of activations for the whole batch
+        torch.cuda.reset_peak_memory_stats()
+        rows = step(budget)
+        torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    assert all(p.grad is not None for p in model.parameters())
+    assert rows is None or len(rows[0]) > 1, rows  # chunked, so later chunks sit beside the new .grad
+    assert peak <= budget, f"peak {(peak - base) / 2**20:.1f} MiB above the start > budget 100 MiB (chunks {rows})"
+
+
 class _TwoGpuModel(torch.nn.Module):
     """Model parallel by hand (as ``device_map="auto"`` places a model): the first layer on cuda:0,
     dropout and the second layer on cuda:1, which draws its masks from cuda:1's generator."""

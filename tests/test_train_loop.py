@@ -204,7 +204,8 @@ def test_output_dir_guards(tmp_path, data, capsys):
         (["--backend", "triton", "--device", "cpu"], "--backend triton: backend='triton' needs CUDA"),
         # found only in the first step: the run's output is removed again (CPU: on a GPU the weights
         # alone already exceed the budget, a different clear error)
-        (["--memory-budget", "100B", "--device", "cpu"], "cannot even hold the cached representations"),
+        (["--memory-budget", "100B", "--device", "cpu"], "the .grad tensors the step creates"),
+        (["--memory-budget", "300KiB", "--device", "cpu"], "too small for even one example"),
     ],
 )
 def test_bad_options_are_clear_errors(tmp_path, data, capsys, args, pattern, monkeypatch):
@@ -338,6 +339,37 @@ def test_ctrl_c_saves_and_resume_is_exact(tmp_path, data, monkeypatch, at):
         train(TrainConfig(**base, out=str(tmp_path / "b")), log=lambda s: None)
     assert (tmp_path / "b" / "checkpoints" / "latest").read_text() == f"step-{at:08d}"
     monkeypatch.setattr(loop, "lr_at", real)
+    train(TrainConfig(**base, out=str(tmp_path / "b")), resume=True, log=lambda s: None)
+    wa, wb = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert _metrics(tmp_path / "a" / "metrics.jsonl") == _metrics(tmp_path / "b" / "metrics.jsonl")
+
+
+def test_ctrl_c_during_the_optimizer_step_is_held_until_the_step_is_counted(tmp_path, data, monkeypatch):
+    """A real SIGINT arriving inside the optimizer's update (weights of step 3 applied, the step not
+    yet counted) is delivered once step 3 is counted and logged: the checkpoint is step 3 with step
+    3's weights, and resuming matches a whole run (before: step 3's weights saved as step 2, and the
+    resumed run applied that update twice)."""
+    import signal
+
+    base = dict(data=str(data[0]), eval_data=str(data[1]), batch_size=64, chunk_size=16, steps=6, lr=0.02,
+                buckets=4096, dim=32, max_length=16, progress=False, save_every=100, eval_every=100)
+    train(TrainConfig(**base, out=str(tmp_path / "a")), log=lambda s: None)
+    real, calls = torch.optim.SparseAdam.step, []
+
+    def step_then_sigint(self, *a, **k):
+        out = real(self, *a, **k)
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGINT)  # Python runs the handler before the next bytecode
+        return out
+
+    monkeypatch.setattr(torch.optim.SparseAdam, "step", step_then_sigint)
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainConfig(**base, out=str(tmp_path / "b")), log=lambda s: None)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert (tmp_path / "b" / "checkpoints" / "latest").read_text() == "step-00000003"
+    monkeypatch.setattr(torch.optim.SparseAdam, "step", real)
     train(TrainConfig(**base, out=str(tmp_path / "b")), resume=True, log=lambda s: None)
     wa, wb = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

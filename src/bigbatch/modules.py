@@ -138,12 +138,23 @@ class ClipLoss(_GroupLoss):
         added to every logit changes neither the softmax loss nor any gradient, so it only joins the
         graph with its exact gradient, zero (DDP then sees it used, as with OpenCLIP; a NaN bias
         gives a NaN loss, as there). A per-logit bias would change the loss: refused."""
-        loss = clip_loss(image_features, text_features, logit_scale, group=self._group(), backend=self.backend)
-        if logit_bias is not None:
-            bias = _scalar_bias(logit_bias)
-            if isinstance(bias, Tensor) and bias.device != loss.device and bias.device.type != "cpu":
-                raise ValueError(f"logit_bias must be on the features' device {loss.device} (or a CPU scalar), "
-                                 f"got {bias.device}")
+        group = self._group()
+        bias = None
+        if logit_bias is not None:  # checked before the ring: a rank raising alone would hang the others
+            device = image_features.device if isinstance(image_features, Tensor) else None
+            try:
+                bias = _scalar_bias(logit_bias)
+                if isinstance(bias, Tensor) and device is not None and bias.device != device and bias.device.type != "cpu":
+                    raise ValueError(f"logit_bias must be on the features' device {device} (or a CPU scalar), "
+                                     f"got {bias.device}")
+            except Exception as exc:
+                if group is None:
+                    raise
+                from .distributed import raise_on_every_rank
+
+                raise_on_every_rank(group, "clip", exc, device)
+        loss = clip_loss(image_features, text_features, logit_scale, group=group, backend=self.backend)
+        if bias is not None:
             loss = loss + (0.0 * bias.to(loss.dtype) if isinstance(bias, Tensor) else 0.0 * bias)
         return {"contrastive_loss": loss} if output_dict else loss
 

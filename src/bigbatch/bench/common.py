@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -105,10 +106,23 @@ def measure(
     }
 
 
+def finite_or_null(value: Any) -> Any:
+    """``value`` with every NaN/inf float replaced by ``None``: standard JSON has no NaN, and a
+    figure that was not measured (a CPU dry run's memory or matmul rate) is null, not a number."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
 def write_json(path: os.PathLike, payload: Dict[str, Any]) -> Path:
+    """``payload`` as standard JSON (non-finite floats as null), written atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True))
+    tmp.write_text(json.dumps(finite_or_null(payload), indent=2, sort_keys=True, allow_nan=False))
     tmp.replace(path)
     return path

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from .common import hardware, write_json
 
@@ -109,12 +109,34 @@ def plot(results: List[Dict[str, Any]], path: Path) -> Optional[Path]:
     return path
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _cases(text: str) -> List[Tuple[int, int]]:
+    """``"32768x64,4096x8"`` -> ``[(32768, 64), (4096, 8)]``; ``""`` -> ``[]``."""
+    out = []
+    for case in filter(None, (c.strip() for c in text.split(","))):
+        parts = case.lower().split("x")
+        if len(parts) != 2:
+            raise argparse.ArgumentTypeError(f"expected BxD cases like 32768x64, got {case!r}")
+        out.append((_positive(parts[0]), _positive(parts[1])))
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="bigbatch bench memory", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
-    parser.add_argument("--dims", type=int, nargs="+", default=[128])
+    parser.add_argument("--batches", type=_positive, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
+    parser.add_argument("--dims", type=_positive, nargs="+", default=[128])
     parser.add_argument("--impls", nargs="+", default=["reference", "torch"], choices=["reference", "torch"])
-    parser.add_argument("--extra", type=str, default="32768x64", help="extra BxD cases, comma separated ('' for none)")
+    parser.add_argument("--extra", type=_cases, default="32768x64",
+                        help="extra BxD cases, comma separated, e.g. 32768x64,4096x8 ('' for none)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/memory_cpu.json"))
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -123,7 +145,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(json.dumps(_child(impl, int(b), int(d), int(seed))))
         return 0
     grid = [(b, d) for d in args.dims for b in args.batches]
-    grid += [tuple(int(x) for x in c.split("x")) for c in args.extra.split(",") if c]
+    grid += args.extra
     results = []
     for b, d in grid:
         for impl in args.impls:

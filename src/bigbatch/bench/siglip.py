@@ -396,7 +396,9 @@ def ring(args) -> Optional[Dict[str, Any]]:
             worst = max(ring_r["extra_gib_per_rank"])
             yard = max(one_r["extra_gib_per_rank"])
             summary.append({"local_batch": b, "ring_peak_extra_gib_max_rank": worst, "one_gpu_peak_extra_gib": yard,
-                            "ring_minus_one_gpu_mib": (worst - yard) * 1024, "ring_no_larger": bool(worst <= yard)})
+                            "ring_minus_one_gpu_mib": (worst - yard) * 1024,
+                            # (null on the CPU dry run, which measures no memory)
+                            "ring_no_larger": bool(worst <= yard) if math.isfinite(worst - yard) else None})
             if rank == 0:
                 print(f"  memory, local B={b}: ring {worst:.4f} GiB vs one GPU {yard:.4f} GiB", flush=True)
         del q, k

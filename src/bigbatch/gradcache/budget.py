@@ -106,9 +106,44 @@ class ChunkCost:
         return max(1, min(cap, int(room // max(self.per_row, 1.0))))
 
 
-def allocated_now(devices: Sequence[torch.device]) -> int:
-    """Bytes allocated before the step on the CUDA devices it uses (the largest); 0 on the CPU."""
-    return max((torch.cuda.memory_allocated(d) for d in devices if d.type == "cuda"), default=0)
+def _on(t: Tensor, device: torch.device) -> bool:
+    if t.device.type != device.type:
+        return False
+    if device.type != "cuda":
+        return True
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return t.device.index == index
+
+
+def grads_to_come(models: Sequence[nn.Module], device: torch.device) -> int:
+    """Bytes of the ``.grad`` tensors a step will create on ``device``: a trainable parameter there
+    whose ``.grad`` is ``None`` at the start (as ``zero_grad()`` leaves it) adopts the first re-run
+    chunk's gradient, and from the second chunk on that ``.grad`` is held beside the chunk's own new
+    gradients (which the probe's fixed part counts). Parameters shared by several models count
+    once; sparse embedding tables not at all."""
+    seen, total = set(), 0
+    for model in models:
+        # a sparse embedding's .grad holds only the rows the batch touched (counted per row by the
+        # probe), not the table
+        seen.update(id(m.weight) for m in model.modules()
+                    if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse)
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None and id(p) not in seen and _on(p, device):
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+    return total
+
+
+def in_use_at_start(devices: Sequence[torch.device], models: Sequence[nn.Module]) -> int:
+    """What the budget loses before any chunk runs, on the device that has least left: on CUDA the
+    bytes allocated before the step (0 on the CPU, where a budget is what the step adds), plus the
+    ``.grad`` tensors the step will create there (:func:`grads_to_come`)."""
+    total = 0
+    for d in {(d.type, d.index) for d in devices}:
+        device = torch.device(*d) if d[1] is not None else torch.device(d[0])
+        allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        total = max(total, allocated + grads_to_come(models, device))
+    return total
 
 
 def offloads(offload_reps: bool, device: torch.device) -> bool:
@@ -119,14 +154,15 @@ def offloads(offload_reps: bool, device: torch.device) -> bool:
 
 def planning_budget(budget: int, fraction: float, cached: float, in_use: int = 0, can_offload: bool = True) -> int:
     """The bytes chunks and kept graphs are planned against: ``fraction`` of what ``budget`` leaves
-    above ``in_use`` (the bytes allocated before the step; slack for allocator rounding and the
-    loss) less ``cached``, the bytes of the whole batch's cached representations and their
+    above ``in_use`` (the bytes allocated before the step and the ``.grad`` it creates; slack for
+    allocator rounding and the loss) less ``cached``, the bytes of the whole batch's cached representations and their
     gradients, which live through the whole step (``can_offload``: ``offload_reps`` would move
     them off the device, for the error's advice)."""
     if in_use >= budget:
         raise ValueError(
             f"memory_budget of {budget / 2**30:.3g} GiB is already taken by the {in_use / 2**30:.3g} GiB "
-            "allocated before the step (weights, optimizer state, gradients): raise it"
+            "allocated before the step (weights, optimizer state, gradients) and the .grad tensors the step "
+            "creates (parameters whose .grad is None): raise it"
         )
     usable = int((budget - in_use) * fraction - cached)
     if usable <= 0:
@@ -257,6 +293,8 @@ class ChunkProber:
             return self._cache[key]
         b = batch_size(x)
         c1, c2 = min(self.probe_rows[0], b), min(self.probe_rows[1], b)
+        if c1 == c2 and b > 1:  # a small batch: still two sizes, or the fixed part would be charged per row
+            c1 = b // 2
         params = [p for p in model.parameters() if p.requires_grad]  # empty: a frozen model
         device = model_device(model, x)
         devices = model_cuda_devices(model)
@@ -289,15 +327,20 @@ class ChunkProber:
                     raise
                 points = points_of(by_grad=False)
         rep_per_row = points[-1][3] / points[-1][0]
-        if len(points) == 1:  # the whole batch is smaller than the first probe: assume no fixed part
+        if len(points) == 1:  # a batch of one row: the only chunk there is, measured
             c, peak, act, _ = points[0]
             cost = ChunkCost(0.0, peak / c, act / c, rep_per_row)
         else:
             (ca, pa, aa, _), (cb, pb, ab, _) = points
+            # A slope of at least half the larger probe's bytes per row guards large chunks against
+            # a flat fit (allocator rounding); the fixed part then keeps the line above both probes,
+            # so a chunk between them is not under-counted either (a model of large weights and
+            # small activations: its fixed part is most of the peak).
             slope = max((pb - pa) / (cb - ca), pb / cb * 0.5, 1.0)
+            fixed = max(pa - slope * ca, pb - slope * cb, 0.0)
             # the held graph: the same two-point line (slope at least 0, fixed part at least 0)
             act_slope = max((ab - aa) / (cb - ca), 0.0)
-            cost = ChunkCost(max(pb - slope * cb, 0.0), slope, act_slope, rep_per_row, max(ab - act_slope * cb, 0.0))
+            cost = ChunkCost(fixed, slope, act_slope, rep_per_row, max(ab - act_slope * cb, 0.0))
         self._cache[key] = cost
         while len(self._cache) > _CACHE_ENTRIES:
             self._cache.popitem(last=False)

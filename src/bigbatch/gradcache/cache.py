@@ -23,7 +23,7 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from .budget import ChunkProber, MemoryArg, allocated_now, offloads, parse_memory, planning_budget, probe_cost
+from .budget import ChunkProber, MemoryArg, in_use_at_start, offloads, parse_memory, planning_budget, probe_cost
 from .chunking import batch_size, check_offload_target, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, backprop, encode, finalize_plan
 from .inputs import backward_into_originals, inputs_require_grad, with_boundaries
@@ -239,7 +239,7 @@ class GradCache:
         devices = [model_device(m, x) for m, x in zip(models, inputs)]
         cached = sum(c.cached(b) for c, b, d in zip(costs, batches, devices) if not offloads(self.offload_reps, d))
         can_offload = not self.offload_reps and any(d.type != "cpu" for d in devices)
-        return planning_budget(budget, _BUDGET_FRACTION, cached, allocated_now(devices), can_offload)
+        return planning_budget(budget, _BUDGET_FRACTION, cached, in_use_at_start(devices, models), can_offload)
 
     def _cost(self, model: nn.Module, x: Any):
         from .engine import _autocast

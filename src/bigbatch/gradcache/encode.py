@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .._autograd import refuse_batched, refuse_create_graph
-from .budget import ChunkProber, MemoryArg, allocated_now, offloads, parse_memory, planning_budget, probe_cost
+from .budget import ChunkProber, MemoryArg, in_use_at_start, offloads, parse_memory, planning_budget, probe_cost
 from .cache import _BUDGET_FRACTION, _identity, check_callables, check_options, default_budget
 from .chunking import batch_size, check_offload_target, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, _autocast, backprop, encode, finalize_plan
@@ -171,7 +171,7 @@ def cached_encode(
                           custom_split=split_input_fn is not None)
         b = batch_size(inputs)
         cached = 0.0 if offloads(offload_reps, device) else cost.cached(b)
-        usable = planning_budget(budget, _BUDGET_FRACTION, cached, allocated_now([device]),
+        usable = planning_budget(budget, _BUDGET_FRACTION, cached, in_use_at_start([device], [model]),
                                  can_offload=not offload_reps and device.type != "cpu")
         chunk_size = cost.largest_chunk(usable, b)
     chunks = split_chunks(bounded, chunk_size, split_input_fn=split_input_fn, from_budget=sized_from_budget)

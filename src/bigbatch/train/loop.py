@@ -32,6 +32,7 @@ from torch import Tensor
 
 from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .data import DataError, Pair, Splits, builtin_codesearch, default_cache_dir, jsonl_splits
+from .interrupt import sigint_deferred
 from .metrics import MetricsLog, encode_all, format_metrics, retrieval_metrics, summary_table
 from .model import DualEncoder, Inputs, build_model, resolve_model_path, select
 
@@ -557,19 +558,20 @@ def train(
             opt.zero_grad(set_to_none=True)
             loss = step_fn(q, k)
             all_reduce_grads(params, d)
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
-            step += 1
-            step_rng = rng_state()  # evaluation and saving draw no random numbers
-            dt = time.perf_counter() - t0
-            rec = {"step": step, "epoch": step / per_epoch, "loss": float(loss), "lr": lr,
-                   "scale": float(model.scale().detach()), "examples_per_s": cfg.batch_size / dt,
-                   "memory_mb": memory_mb(device), "step_s": dt}
-            if d.rank == 0:
-                log_file.append(rec)
+            with sigint_deferred():  # the update is applied, counted and logged whole, or not at all
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
+                step += 1
+                step_rng = rng_state()  # evaluation and saving draw no random numbers
+                dt = time.perf_counter() - t0
+                rec = {"step": step, "epoch": step / per_epoch, "loss": float(loss), "lr": lr,
+                       "scale": float(model.scale().detach()), "examples_per_s": cfg.batch_size / dt,
+                       "memory_mb": memory_mb(device), "step_s": dt}
+                if d.rank == 0:
+                    log_file.append(rec)
             if not math.isfinite(rec["loss"]):
                 raise FloatingPointError(f"loss became {rec['loss']} at step {step}; lower --lr or use fp32")
             if step % eval_every == 0 or step == total:

@@ -1,0 +1,47 @@
+"""The benchmark scripts' outputs and options (their GPU measurements run on the GPU machines)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from bigbatch.bench.common import write_json
+from bigbatch.bench.memory import main as memory_main
+from bigbatch.bench.ring import merge_ranks
+
+
+def _strict(text: str):
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_results_are_standard_json_with_unmeasured_figures_null(tmp_path):
+    path = write_json(tmp_path / "r.json", {"rate": float("nan"), "rows": [{"gib": [float("inf"), 1.5]}], "n": 3})
+    assert _strict(path.read_text()) == {"n": 3, "rate": None, "rows": [{"gib": [None, 1.5]}]}
+
+
+def test_a_ring_row_is_its_slowest_rank():
+    ranks = [{"status": "ok", "median_ms": 10.0, "times_ms": [9.0, 10.0, 11.0], "extra_gib": 1.0},
+             {"status": "ok", "median_ms": 12.0, "times_ms": [12.0, 11.5, 13.0], "extra_gib": 0.5}]
+    row = merge_ranks(ranks)
+    assert row["median_ms"] == 12.0 and statistics.median(row["times_ms"]) == row["median_ms"]
+    assert row["extra_gib"] == 1.0 and [r["median_ms"] for r in row["per_rank"]] == [10.0, 12.0]
+    failed = merge_ranks([ranks[0], {"status": "oom"}])  # not every rank timed it: rank 0's row as it is
+    assert failed["median_ms"] == 10.0 and failed["per_rank"][1]["status"] == "oom"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--extra", "4096"], "expected BxD cases like 32768x64, got '4096'"),
+    (["--batches", "0"], "--batches: expected a positive integer, got '0'"),
+    (["--dims", "-3"], "--dims: expected a positive integer, got '-3'"),
+    (["--extra", "64x0"], "expected a positive integer, got '0'"),
+])
+def test_memory_bench_options_are_checked(args, needle, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        memory_main([*args, "--out", str(tmp_path / "m.json")])
+    assert exc.value.code == 2 and needle in capsys.readouterr().err
+    assert not (tmp_path / "m.json").exists()
