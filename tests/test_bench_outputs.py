@@ -30,8 +30,10 @@ def test_a_ring_row_is_its_slowest_rank():
     row = merge_ranks(ranks)
     assert row["median_ms"] == 12.0 and statistics.median(row["times_ms"]) == row["median_ms"]
     assert row["extra_gib"] == 1.0 and [r["median_ms"] for r in row["per_rank"]] == [10.0, 12.0]
-    failed = merge_ranks([ranks[0], {"status": "oom"}])  # not every rank timed it: rank 0's row as it is
-    assert failed["median_ms"] == 10.0 and failed["per_rank"][1]["status"] == "oom"
+    # not every rank completed it: no ring time, the failing rank's status and error
+    failed = merge_ranks([ranks[0], {"status": "oom", "error": "CUDA out of memory"}])
+    assert failed["status"] == "oom" and failed["error"] == "rank 1: CUDA out of memory"
+    assert "median_ms" not in failed and failed["per_rank"][0]["median_ms"] == 10.0
 
 
 @pytest.mark.parametrize("args, needle", [

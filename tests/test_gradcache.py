@@ -790,3 +790,59 @@ def test_the_fitted_line_stays_above_both_probes(monkeypatch):
     monkeypatch.setattr(budget, "_measure", lambda model, x, *a, **k: (1000.0 + x.shape[0], 0.5 * x.shape[0], 8.0 * x.shape[0]))
     cost = budget.ChunkProber().cost(nn.Linear(6, 8), torch.zeros(100, 6), lambda o: o, contextlib.nullcontext, None)
     assert cost.peak(16) >= 1016.0 and cost.peak(48) >= 1048.0, (cost.fixed, cost.per_row)
+
+
+def test_no_grad_encoding_is_not_charged_for_gradients():
+    """cached_encode under no_grad runs no backward, so no .grad is created: a budget that holds the
+    forward must not be refused for the weights' gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 32)).double()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    x = torch.randn(256, 256, dtype=torch.float64)
+    with torch.no_grad():
+        out = cached_encode(model, x, memory_budget=int(1.6 * weights))
+        assert torch.allclose(out, model(x), rtol=1e-12, atol=1e-12)
+
+
+def test_a_small_batch_probe_does_not_size_later_large_batches():
+    """The cost probed on a 4-row batch (a line through 2 and 4 rows) is kept for that size only: a
+    later large batch of the same shape is probed afresh and planned as by a fresh GradCache."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64)).double()
+
+    big = [torch.randn(1024, 64, dtype=torch.float64) for _ in range(2)]
+    budget = 4 * 2**20
+    fresh = GradCache(make(), loss_fn=clip(), memory_budget=budget)
+    fresh(*big)
+    model = make()
+    warm = GradCache(model, loss_fn=clip(), memory_budget=budget)
+    warm(*[torch.randn(4, 64, dtype=torch.float64) for _ in range(2)])
+    model.zero_grad(set_to_none=True)
+    warm(*big)
+    assert warm.last_chunk_sizes == fresh.last_chunk_sizes and fresh.last_chunk_sizes[0] < 1024
+
+
+def test_the_cpu_probe_does_not_count_a_sparse_table_as_a_dense_gradient():
+    class Bag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag, self.proj = nn.EmbeddingBag(100_000, 64, sparse=True), nn.Linear(64, 32)
+
+        def forward(self, ids):
+            return self.proj(self.bag(ids))
+
+    torch.manual_seed(0)
+    model, ids = Bag(), torch.randint(0, 100_000, (512, 8))
+    table = model.bag.weight.numel() * model.bag.weight.element_size()
+    cost = budget_mod().ChunkProber().cost(model, ids, lambda o: o, contextlib.nullcontext, None)
+    assert cost.peak(64) < table / 10, (cost.fixed, cost.per_row, table)
+    out = cached_encode(model, ids, memory_budget="4MiB")  # refused before: "too small for even one example"
+    out.sum().backward()
+    assert model.bag.weight.grad.is_sparse
+
+
+def budget_mod():
+    from bigbatch.gradcache import budget
+
+    return budget

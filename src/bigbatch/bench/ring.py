@@ -307,6 +307,12 @@ def merge_ranks(per_rank: List[Dict[str, Any]]) -> Dict[str, Any]:
         merged["median_ms"], merged["times_ms"] = slowest["median_ms"], slowest["times_ms"]
         mems = [x.get("extra_gib") for x in oks if x.get("extra_gib") is not None]
         merged["extra_gib"] = max(mems) if mems else None
+    else:  # a case some rank did not complete is not a ring measurement: that rank's status and error
+        i, bad = next((i, x) for i, x in enumerate(per_rank) if x.get("status") != "ok")
+        for key in ("median_ms", "times_ms", "extra_gib"):
+            merged.pop(key, None)
+        merged["status"] = bad.get("status", "failed")
+        merged["error"] = f"rank {i}: {bad.get('error', bad.get('reason', merged['status']))}"
     merged["per_rank"] = [{k: x.get(k) for k in ("status", "median_ms", "times_ms", "extra_gib", "extra_gib_raw")}
                           for x in per_rank]
     return merged

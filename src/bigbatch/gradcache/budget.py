@@ -115,6 +115,12 @@ def _on(t: Tensor, device: torch.device) -> bool:
     return t.device.index == index
 
 
+def sparse_tables(model: nn.Module) -> set:
+    """``id``s of the model's sparse embedding tables: their ``.grad`` holds only the rows a batch
+    touched (a few bytes per row, which the probe's per-row cost covers), not the table."""
+    return {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+
+
 def grads_to_come(models: Sequence[nn.Module], device: torch.device) -> int:
     """Bytes of the ``.grad`` tensors a step will create on ``device``: a trainable parameter there
     whose ``.grad`` is ``None`` at the start (as ``zero_grad()`` leaves it) adopts the first re-run
@@ -123,10 +129,7 @@ def grads_to_come(models: Sequence[nn.Module], device: torch.device) -> int:
     once; sparse embedding tables not at all."""
     seen, total = set(), 0
     for model in models:
-        # a sparse embedding's .grad holds only the rows the batch touched (counted per row by the
-        # probe), not the table
-        seen.update(id(m.weight) for m in model.modules()
-                    if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse)
+        seen.update(sparse_tables(model))
         for p in model.parameters():
             if p.requires_grad and p.grad is None and id(p) not in seen and _on(p, device):
                 seen.add(id(p))
@@ -270,7 +273,8 @@ def _measure(model, x, get_rep, autocast_ctx, params, device, by_grad: bool = Tr
         rep = _get_rep(get_rep, call_model(model, x), graph=True)
     if rep.requires_grad:
         _backward(rep, params, by_grad)
-    grads = sum(p.numel() * p.element_size() for p in params)
+    sparse = sparse_tables(model)
+    grads = sum(p.numel() * p.element_size() for p in params if id(p) not in sparse)
     return float(2 * saved[0] + grads), float(saved[0]), _rep_bytes(rep)
 
 
@@ -287,12 +291,14 @@ class ChunkProber:
 
     def cost(self, model: nn.Module, x: Any, get_rep: Callable[[Any], Tensor],
              autocast_ctx: Callable[[], Any], autocast: Optional[torch.dtype]) -> ChunkCost:
-        key = _signature(model, x, autocast)
+        b = batch_size(x)
+        c1, c2 = min(self.probe_rows[0], b), min(self.probe_rows[1], b)
+        # a batch smaller than the larger probe is probed at its own sizes, a cost that a later
+        # larger batch must not inherit (its chunks would be sized from a few rows' line)
+        key = (_signature(model, x, autocast), c2)
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        b = batch_size(x)
-        c1, c2 = min(self.probe_rows[0], b), min(self.probe_rows[1], b)
         if c1 == c2 and b > 1:  # a small batch: still two sizes, or the fixed part would be charged per row
             c1 = b // 2
         params = [p for p in model.parameters() if p.requires_grad]  # empty: a frozen model

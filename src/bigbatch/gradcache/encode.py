@@ -171,7 +171,8 @@ def cached_encode(
                           custom_split=split_input_fn is not None)
         b = batch_size(inputs)
         cached = 0.0 if offloads(offload_reps, device) else cost.cached(b)
-        usable = planning_budget(budget, _BUDGET_FRACTION, cached, in_use_at_start([device], [model]),
+        taken = in_use_at_start([device], [model] if needs_grad else [])  # no backward: no .grad made
+        usable = planning_budget(budget, _BUDGET_FRACTION, cached, taken,
                                  can_offload=not offload_reps and device.type != "cpu")
         chunk_size = cost.largest_chunk(usable, b)
     chunks = split_chunks(bounded, chunk_size, split_input_fn=split_input_fn, from_budget=sized_from_budget)

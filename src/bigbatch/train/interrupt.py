@@ -18,8 +18,9 @@ from typing import Iterator, List
 
 @contextlib.contextmanager
 def sigint_deferred() -> Iterator[None]:
-    """SIGINT during the block is delivered when the block ends (also when it raises). Outside the
-    main thread, where Python cannot set signal handlers, the block runs as it is."""
+    """SIGINT during the block is delivered when the block completes (if it raises, its exception
+    goes on as it is). Outside the main thread, where Python cannot set signal handlers, the block
+    runs as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -29,5 +30,8 @@ def sigint_deferred() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-        if pending:
-            signal.raise_signal(signal.SIGINT)
+    # Only after a block that completed: an exception leaving it (an update that failed half-way)
+    # propagates as it is, not turned into a KeyboardInterrupt whose handler would save the
+    # half-applied update as a step boundary; the Ctrl-C is dropped with it.
+    if pending:
+        signal.raise_signal(signal.SIGINT)
