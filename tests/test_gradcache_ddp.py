@@ -49,7 +49,7 @@ def _worker(rank: int, world: int):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import bigbatch
-    from bigbatch.gradcache import GradCache
+    from bigbatch.gradcache import GradCache, cached
 
     x, y = _data(world)
     xs, ys = x[rank * B_LOCAL:(rank + 1) * B_LOCAL], y[rank * B_LOCAL:(rank + 1) * B_LOCAL]
@@ -113,11 +113,20 @@ def _worker(rank: int, world: int):
         from torch.distributed.fsdp import fully_shard
 
         sharded = _encoder()
-        fully_shard(sharded, mesh=init_device_mesh("cpu", (world,)))
-        try:
-            GradCache(sharded, chunk_sizes=CHUNK, loss_fn=losses["gather"])
-        except NotImplementedError as exc:
-            fsdp_error = str(exc)
+        built_before = GradCache(sharded, chunk_sizes=CHUNK, loss_fn=losses["gather"])
+        fully_shard(sharded, mesh=init_device_mesh("cpu", (world,)))  # converts the module in place
+        errors = []
+        x, y = _data(world)
+        sl = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
+        for refused in (lambda: GradCache(sharded, chunk_sizes=CHUNK, loss_fn=losses["gather"]),
+                        lambda: built_before(x[sl], y[sl]),  # sharded after the GradCache was built
+                        lambda: cached(lambda m, t: m(t))(sharded, x[sl])):  # the functional API
+            try:
+                refused()
+                errors.append(None)
+            except NotImplementedError as exc:
+                errors.append(str(exc))
+        fsdp_error = errors[0] if all(e is not None for e in errors) else f"not refused: {errors}"
     except (ImportError, RuntimeError, ValueError) as exc:  # FSDP2 unavailable on this build/device
         fsdp_error = f"unavailable: {exc}"
     return out, fsdp_error, static_error
@@ -156,6 +165,7 @@ def test_ddp_two_ranks_equals_full_batch_one_allreduce_per_step():
                 assert err <= 1e-10, f"rank {rank}, {name} loss, parameter {i}: relative error {err:.3e}"
         if fsdp_error is None or fsdp_error.startswith("unavailable"):
             pytest.fail(f"could not build an FSDP model to check the refusal: {fsdp_error}")
+        assert not fsdp_error.startswith("not refused"), fsdp_error
         assert "FSDP" in fsdp_error and "DistributedDataParallel" in fsdp_error
 
 

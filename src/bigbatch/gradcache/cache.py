@@ -281,6 +281,8 @@ class GradCache:
         if torch.is_inference_mode_enabled():
             raise RuntimeError("GradCache runs a backward: it cannot run under torch.inference_mode()")
         check_not_parametrize_cached("GradCache", self.models)
+        for m in self.models:  # again per step: fully_shard() converts a module in place, after __init__
+            check_not_fsdp(m)
         ddp_sync = self.ddp_sync if no_sync_except_last is None else ("last_chunk" if no_sync_except_last else "every_chunk")
         models = self._models_for(len(inputs))
         # A model is re-run if a parameter or an input tensor of it requires grad; a frozen one

@@ -48,7 +48,7 @@ from .engine import Written, chunk_backward, compact, grad_mode_dependent
 from .lazy import LazyInits, skipping_inits
 from .model_state import ModelState, param_versions
 from .rng import RngState, cuda_devices_of
-from .wrappers import check_not_parametrize_cached
+from .wrappers import check_not_fsdp, check_not_parametrize_cached
 
 Reps = Union[Tensor, Tuple[Tensor, ...]]
 
@@ -91,6 +91,8 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
     def cache_func(*args: Any, **kwargs: Any):
         modules = [a for a in list(args) + list(kwargs.values()) if isinstance(a, nn.Module)]
         check_not_parametrize_cached(f"cached({func.__name__})", modules)
+        for m in modules:
+            check_not_fsdp(m)
         rng = RngState(_cuda_devices(args, kwargs))
         amp = _autocast_state()
         # modules passed to func: the re-run starts from the buffers this call saw, and leaves them

@@ -147,7 +147,9 @@ def check_loss_params_outside_ddp(loss: torch.Tensor, models: Sequence[nn.Module
             f"loss_fn uses parameters of a DDP-wrapped encoder ({', '.join(sorted(set(found)))}) built with "
             "find_unused_parameters=False: DDP all-reduces only the parameters of a chunk's synced re-run "
             "forward, so these would never be synchronised. Build that DDP module with "
-            "find_unused_parameters=True, or keep these parameters outside it (a module of their own)")
+            "find_unused_parameters=True, or keep these parameters outside it and average their gradients over "
+            "the ranks yourself (DDP averages only what its own forward produced: a DDP module of their own "
+            "works if the loss reads them through that module's forward)")
 
 
 def check_same_sync_count(ddps: Sequence[DistributedDataParallel], chunks: int) -> None:
