@@ -406,3 +406,57 @@ def test_wrapped_ddp_static_graph_refused_and_a_user_forward_kept():
     for r in run_gloo(_wrapped_ddp_edges, 2, timeout=120.0):
         assert "static_graph=False" in r["static"]
         assert r["forward_kept"] and r["called"]
+
+
+def _plain_forward_worker(rank: int, world: int):
+    """cached_encode and a plain forward of the same DDP module feeding one backward."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bigbatch
+
+    torch.set_num_threads(1)
+    x, y = _data(world)
+    sl = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
+    xs, ys = x[sl], y[sl]
+    clip = lambda a, b: bigbatch.clip_loss(a, b, 2.0, group=dist.group.WORLD)
+    out = {}
+    for mode in ("cached_first", "plain_first", "both_cached", "no_grad_eval", "plain_backpropagated_first"):
+        model = DDP(_encoder())
+        steps = []
+        for _ in range(2):
+            try:
+                if mode == "cached_first":
+                    clip(bigbatch.cached_encode(model, xs, chunk_size=CHUNK), model(ys)).backward()
+                elif mode == "plain_first":
+                    b = model(ys)
+                    clip(bigbatch.cached_encode(model, xs, chunk_size=CHUNK), b).backward()
+                elif mode == "both_cached":
+                    clip(bigbatch.cached_encode(model, xs, chunk_size=CHUNK),
+                         bigbatch.cached_encode(model, ys, chunk_size=CHUNK)).backward()
+                elif mode == "no_grad_eval":
+                    with torch.no_grad():
+                        model(ys)
+                    clip(bigbatch.cached_encode(model, xs, chunk_size=CHUNK),
+                         bigbatch.cached_encode(model, ys, chunk_size=CHUNK)).backward()
+                else:  # an auxiliary loss back-propagated on its own first: its reduction is done
+                    model(ys).pow(2).mean().backward()
+                    clip(bigbatch.cached_encode(model, xs, chunk_size=CHUNK),
+                         bigbatch.cached_encode(model, ys, chunk_size=CHUNK)).backward()
+                steps.append("ok")
+            except RuntimeError as exc:
+                steps.append("refused" if "plain forward of the same DDP module" in str(exc) else str(exc)[:300])
+            dist.barrier()
+        out[mode] = steps
+    return out
+
+
+def test_cached_encode_refuses_a_pending_plain_forward_of_the_same_ddp_module():
+    """DDP reduces one synced forward per backward: a cached re-run's synced forward would leave a
+    plain forward's gradients of the same module unsynchronised (47% off, replicas drifting apart,
+    before: no error). Watched from the first cached_encode call on the module: a plain forward
+    before it in the very first step is the one case not seen (docs/gradcache.md, Limits)."""
+    for rank_out in run_gloo(_plain_forward_worker, 2, timeout=240.0):
+        assert rank_out == {"cached_first": ["refused", "refused"], "plain_first": ["ok", "refused"],
+                            "both_cached": ["ok", "ok"], "no_grad_eval": ["ok", "ok"],
+                            "plain_backpropagated_first": ["ok", "ok"]}, rank_out

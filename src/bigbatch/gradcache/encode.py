@@ -26,7 +26,8 @@ from .cache import _BUDGET_FRACTION, _identity, check_callables, check_options, 
 from .chunking import batch_size, check_offload_target, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, _autocast, backprop, encode, finalize_plan
 from .inputs import Pairs, inputs_require_grad, with_boundaries
-from .wrappers import check_not_fsdp, check_not_parametrize_cached, ddp_modules, is_model_list, warn_user
+from .wrappers import (check_not_fsdp, check_not_parametrize_cached, ddp_modules, is_model_list, warn_user,
+                       watch_plain_forwards)
 
 _PROBER = ChunkProber()
 
@@ -179,7 +180,10 @@ def cached_encode(
     ddps = ddp_modules(model)
     units = [Unit(0, model, c, chunk_rows(c, split_input_fn is not None, "a chunk of inputs"), ddps=ddps) for c in chunks]
     # no autocast at the forward: none in the backward's re-runs either, whatever region it runs in
-    opts = EngineOptions(get_rep, autocast_dtype, offload_inputs, offload_reps, ddp_sync, inherit_autocast=False)
+    opts = EngineOptions(get_rep, autocast_dtype, offload_inputs, offload_reps, ddp_sync, inherit_autocast=False,
+                         check_plain_ddp=needs_grad and bool(ddps))
+    if opts.check_plain_ddp:
+        watch_plain_forwards(ddps)
     if not needs_grad:  # no registered parameter or input is trained: plain no-grad forwards ...
         for u in units:
             u.rerun = False

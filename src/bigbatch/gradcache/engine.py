@@ -35,7 +35,7 @@ from .chunking import call_model, check_not_detached, model_device, staged, tens
 from .lazy import LazyInits, skipping_inits
 from .model_state import ModelState, param_versions
 from .rng import RngState, cuda_devices_of, model_cuda_devices
-from .wrappers import check_same_sync_count, sync_context
+from .wrappers import check_no_plain_forward_pending, check_same_sync_count, own_ddp_forwards, sync_context
 
 
 @dataclass
@@ -77,6 +77,9 @@ class EngineOptions:
     # with autocast_dtype None: False runs both passes with autocast off (cached_encode's forward ran
     # outside autocast, its backward may run inside); True leaves the caller's state (GradCache)
     inherit_autocast: bool = True
+    # cached_encode (re-run inside the caller's backward): refuse while a plain synced forward of
+    # the same DDP module waits for its backward (wrappers.check_no_plain_forward_pending)
+    check_plain_ddp: bool = False
     # pass 1 of a unit not to be re-run runs in grad mode (free: a frozen model records nothing) and
     # is flagged for a re-run if its representation requires grad all the same -- a trainable tensor
     # the model does not register (a projection in get_rep_fn, torch.func.functional_call weights)
@@ -364,7 +367,9 @@ def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tens
                 u.written.check_before_rerun()
             if u.state is not None:  # (a hook may have stepped an optimizer in an earlier backward)
                 u.state.check_params("the cached forward", during_backward=True)
-            with sync_context(u.ddps, sync=sync)():
+            if sync and opts.check_plain_ddp:
+                check_no_plain_forward_pending(u.ddps)
+            with sync_context(u.ddps, sync=sync)(), own_ddp_forwards():
                 states, record = u.buffers
                 with restoring(states, record, [u.model]), torch.enable_grad(), u.rng.replay(), \
                         skipping_inits([u.model], u.lazy_after):

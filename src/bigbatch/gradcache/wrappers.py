@@ -4,6 +4,8 @@ FSDP (refused, with the reason)."""
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 from typing import Callable, ContextManager, Iterator, List, Sequence
 
 import torch
@@ -46,13 +48,75 @@ def ddp_bypassed(model: nn.Module) -> Iterator[None]:
     for d in ddps:
         d.forward = d.module.__call__  # an instance attribute shadows DistributedDataParallel.forward
     try:
-        yield
+        with own_ddp_forwards():
+            yield
     finally:
         for d, f in zip(ddps, own):
             if f is None:
                 del d.forward
             else:
                 d.forward = f
+
+
+# -- plain forwards of a DDP module that cached_encode also re-runs ------------------------------
+# DDP's reducer serves one synced forward per backward. A plain synced forward (grad on, sync on)
+# of a DDP module whose backward has not run yet is re-armed away by a cached_encode re-run's synced
+# forward: its gradients are then never all-reduced, with no error from DDP (whose state does not
+# show a pending reduction). So the forwards are watched: a forward hook, installed on a DDP module
+# the first time cached_encode sees it, counts each such forward as pending until the end of the
+# backward that reaches its output's node; the re-run refuses to start while one is pending.
+_OURS = threading.local()  # set while bigbatch itself calls a DDP forward (re-runs, the probe)
+_PENDING: "weakref.WeakKeyDictionary[DistributedDataParallel, set]" = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def own_ddp_forwards() -> Iterator[None]:
+    """DDP forwards inside the block are bigbatch's own (not watched)."""
+    before = getattr(_OURS, "active", False)
+    _OURS.active = True
+    try:
+        yield
+    finally:
+        _OURS.active = before
+
+
+def _watch_hook(module: DistributedDataParallel, args, output) -> None:
+    if getattr(_OURS, "active", False) or not (torch.is_grad_enabled() and module.require_backward_grad_sync):
+        return
+    from .chunking import tensor_leaves
+
+    nodes = {id(t.grad_fn): t.grad_fn for t in tensor_leaves(output) if t.grad_fn is not None}
+    if not nodes:
+        return
+    pending, token = _PENDING[module], object()
+    pending.add(token)
+
+    def reached(grad_outputs) -> None:  # DDP finalises its reduction at the end of that backward
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: pending.discard(token))
+
+    for node in nodes.values():
+        node.register_prehook(reached)
+
+
+def watch_plain_forwards(ddps: Sequence[DistributedDataParallel]) -> None:
+    """From now on, count the plain synced forwards of these DDP modules (once per module)."""
+    for d in ddps:
+        if d not in _PENDING:
+            _PENDING[d] = set()
+            d.register_forward_hook(_watch_hook)
+
+
+def check_no_plain_forward_pending(ddps: Sequence[DistributedDataParallel]) -> None:
+    """Before a cached re-run's synced forward: refuse if a plain synced forward of the same DDP
+    module still waits for its backward (see above)."""
+    if any(_PENDING.get(d) for d in ddps):
+        raise RuntimeError(
+            "cached_encode under DistributedDataParallel: a plain forward of the same DDP module (grad and "
+            "gradient sync on) has not been back-propagated yet. DDP reduces one synced forward per backward, "
+            "and re-running the cached chunks through it would leave that forward's gradients unsynchronised "
+            "across ranks. Encode every input of the module with cached_encode (or use GradCache), or "
+            "back-propagate the plain forward's loss first; if that forward was an evaluation, run it under "
+            "torch.no_grad()")
 
 
 def is_model_list(m: object) -> bool:
