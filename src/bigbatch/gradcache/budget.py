@@ -27,7 +27,7 @@ import math
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -107,6 +107,7 @@ class ChunkCost:
 
 
 def _on(t: Tensor, device: torch.device) -> bool:
+    """Whether ``t`` lives on ``device`` (``cuda`` without an index: the current device)."""
     if t.device.type != device.type:
         return False
     if device.type != "cuda":
@@ -115,7 +116,7 @@ def _on(t: Tensor, device: torch.device) -> bool:
     return t.device.index == index
 
 
-def sparse_tables(model: nn.Module) -> set:
+def sparse_tables(model: nn.Module) -> Set[int]:
     """``id``s of the model's sparse embedding tables: their ``.grad`` holds only the rows a batch
     touched (a few bytes per row, which the probe's per-row cost covers), not the table."""
     return {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
@@ -158,9 +159,9 @@ def offloads(offload_reps: bool, device: torch.device) -> bool:
 def planning_budget(budget: int, fraction: float, cached: float, in_use: int = 0, can_offload: bool = True) -> int:
     """The bytes chunks and kept graphs are planned against: ``fraction`` of what ``budget`` leaves
     above ``in_use`` (the bytes allocated before the step and the ``.grad`` it creates; slack for
-    allocator rounding and the loss) less ``cached``, the bytes of the whole batch's cached representations and their
-    gradients, which live through the whole step (``can_offload``: ``offload_reps`` would move
-    them off the device, for the error's advice)."""
+    allocator rounding and the loss) less ``cached``, the bytes of the whole batch's cached
+    representations and their gradients, which live through the whole step (``can_offload``:
+    ``offload_reps`` would move them off the device, for the error's advice)."""
     if in_use >= budget:
         raise ValueError(
             f"memory_budget of {budget / 2**30:.3g} GiB is already taken by the {in_use / 2**30:.3g} GiB "
