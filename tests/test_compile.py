@@ -180,3 +180,22 @@ def test_siglip_eval_step_compiles_as_one_graph():
         want = step(q, k)
         got = torch.compile(step, fullgraph=True, backend="eager")(q, k)
     assert torch.allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("loss_name", ["clip", "infonce", "siglip", "clip_reference"])
+def test_a_changing_python_scale_compiles_as_one_graph(loss_name):
+    """A temperature schedule passes a new python float each step: after the recompile it is a
+    symbolic float, and the scale checks (math.isfinite on it) broke a fullgraph compile."""
+    x, y = torch.randn(12, 8), torch.randn(12, 8)
+
+    def loss(a, b, s):
+        if loss_name == "siglip":
+            return bigbatch.siglip_loss(a, b, s, -1.0, backend="torch")
+        if loss_name == "infonce":
+            return bigbatch.infonce_loss(a, b, s, backend="torch")
+        return bigbatch.clip_loss(a, b, s, backend="reference" if loss_name == "clip_reference" else "torch")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, backend="eager", fullgraph=True)
+    for s in (5.0, 6.0, 7.0):
+        assert rel_err(compiled(x, y, s), loss(x, y, s)) <= 1e-6

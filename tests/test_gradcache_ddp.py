@@ -421,12 +421,25 @@ def _plain_forward_worker(rank: int, world: int):
     xs, ys = x[sl], y[sl]
     clip = lambda a, b: bigbatch.clip_loss(a, b, 2.0, group=dist.group.WORLD)
     out = {}
-    for mode in ("cached_first", "plain_first", "both_cached", "no_grad_eval", "plain_backpropagated_first"):
+    both = lambda model: clip(bigbatch.cached_encode(model, xs, chunk_size=CHUNK),
+                              bigbatch.cached_encode(model, ys, chunk_size=CHUNK)).backward()
+    for mode in ("cached_first", "plain_first", "both_cached", "no_grad_eval", "plain_backpropagated_first",
+                 "fixed_after_refusal", "input_gradient_of_the_plain_forward"):
         model = DDP(_encoder())
         steps = []
-        for _ in range(2):
+        for step in range(2):
             try:
-                if mode == "cached_first":
+                if mode == "fixed_after_refusal":
+                    if step == 0:
+                        clip(bigbatch.cached_encode(model, xs, chunk_size=CHUNK), model(ys)).backward()
+                    else:
+                        both(model)
+                elif mode == "input_gradient_of_the_plain_forward":  # reaches the output, reduces nothing
+                    y_in = ys.clone().requires_grad_()
+                    b = model(y_in)
+                    (gy,) = torch.autograd.grad(b.sum(), y_in, create_graph=True)
+                    (clip(bigbatch.cached_encode(model, xs, chunk_size=CHUNK), b) + gy.pow(2).mean()).backward()
+                elif mode == "cached_first":
                     clip(bigbatch.cached_encode(model, xs, chunk_size=CHUNK), model(ys)).backward()
                 elif mode == "plain_first":
                     b = model(ys)
@@ -455,8 +468,11 @@ def test_cached_encode_refuses_a_pending_plain_forward_of_the_same_ddp_module():
     """DDP reduces one synced forward per backward: a cached re-run's synced forward would leave a
     plain forward's gradients of the same module unsynchronised (47% off, replicas drifting apart,
     before: no error). Watched from the first cached_encode call on the module: a plain forward
-    before it in the very first step is the one case not seen (docs/gradcache.md, Limits)."""
+    before it in the very first step is the one case not seen (docs/gradcache.md, Limits). Every
+    rank refuses together (one rank alone would leave the others in the re-run's all-reduce)."""
     for rank_out in run_gloo(_plain_forward_worker, 2, timeout=240.0):
         assert rank_out == {"cached_first": ["refused", "refused"], "plain_first": ["ok", "refused"],
                             "both_cached": ["ok", "ok"], "no_grad_eval": ["ok", "ok"],
-                            "plain_backpropagated_first": ["ok", "ok"]}, rank_out
+                            "plain_backpropagated_first": ["ok", "ok"], "fixed_after_refusal": ["refused", "ok"],
+                            # the plain forward before the first cached_encode call: step 1 not seen
+                            "input_gradient_of_the_plain_forward": ["ok", "refused"]}, rank_out

@@ -314,3 +314,17 @@ def test_autocast_region_changes_nothing(loss, backend):
         assert got[0].dtype == torch.float32
         for a, b in zip(got, ref):
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (inside, a, b)
+
+
+@pytest.mark.parametrize("fn", ["clip", "infonce"])
+def test_inference_mode_features_with_a_trained_scale(fn):
+    """Features from a frozen tower made under inference_mode, a trained scale: the tiled loss
+    saved the features themselves for its backward, which torch refuses for inference tensors."""
+    with torch.inference_mode():
+        q, k = torch.randn(9, 5, dtype=torch.float64), torch.randn(9, 5, dtype=torch.float64)
+    log_scale = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+    call = bigbatch.clip_loss if fn == "clip" else bigbatch.infonce_loss
+    call(q, k, log_scale.exp(), backend="torch").backward()
+    ref_scale = log_scale.detach().clone().requires_grad_()
+    (reference.clip_loss if fn == "clip" else reference.infonce_loss)(q.clone(), k.clone(), ref_scale.exp()).backward()
+    assert torch.allclose(log_scale.grad, ref_scale.grad, rtol=1e-12, atol=0)

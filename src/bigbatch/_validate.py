@@ -66,6 +66,10 @@ def prepare_scalar(name: str, value: object, like: Tensor) -> Tensor:
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, Tensor)):
         raise TypeError(f"{name} must be a float or a 0-d floating tensor, got {type(value).__name__}")
     if isinstance(value, numbers.Real):
+        if torch.compiler.is_compiling():
+            # under torch.compile a changing python scale becomes a symbolic float: host checks on it
+            # would break a fullgraph; a NaN/inf scale still gives a NaN/inf loss through the arithmetic
+            return torch.full((), value, dtype=ct, device=like.device)
         try:
             as_float = float(value)
         except OverflowError:  # an int beyond float range

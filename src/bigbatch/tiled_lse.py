@@ -49,7 +49,11 @@ class TiledSoftmaxStats(torch.autograd.Function):
         pos = positive_logits(q, k, labels, scale)
         ctx.backend, ctx.rows, ctx.cols = backend, rows, cols
         ctx.mark_non_differentiable(labels)
-        ctx.save_for_backward(q, k, scale, labels, lse_row, lse_col)
+        # features made under inference_mode cannot be saved for a backward (a frozen tower's
+        # output with a trained scale): a copy, O(B*D), in that case only
+        tracing = torch.compiler.is_compiling()  # (no inference tensors inside a compiled graph)
+        q_saved, k_saved = (t.clone() if not tracing and t.is_inference() else t for t in (q, k))
+        ctx.save_for_backward(q_saved, k_saved, scale, labels, lse_row, lse_col)
         return lse_row, lse_col, pos
 
     @staticmethod

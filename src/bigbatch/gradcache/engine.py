@@ -35,7 +35,7 @@ from .chunking import call_model, check_not_detached, model_device, staged, tens
 from .lazy import LazyInits, skipping_inits
 from .model_state import ModelState, param_versions
 from .rng import RngState, cuda_devices_of, model_cuda_devices
-from .wrappers import check_no_plain_forward_pending, check_same_sync_count, own_ddp_forwards, sync_context
+from .wrappers import agree_no_plain_forward_pending, check_same_sync_count, own_ddp_forwards, sync_context
 
 
 @dataclass
@@ -77,8 +77,8 @@ class EngineOptions:
     # with autocast_dtype None: False runs both passes with autocast off (cached_encode's forward ran
     # outside autocast, its backward may run inside); True leaves the caller's state (GradCache)
     inherit_autocast: bool = True
-    # cached_encode (re-run inside the caller's backward): refuse while a plain synced forward of
-    # the same DDP module waits for its backward (wrappers.check_no_plain_forward_pending)
+    # cached_encode (re-run inside the caller's backward): refuse, on every rank, while a plain synced
+    # forward of the same DDP module waits for its reduction (wrappers.agree_no_plain_forward_pending)
     check_plain_ddp: bool = False
     # pass 1 of a unit not to be re-run runs in grad mode (free: a frozen model records nothing) and
     # is flagged for a re-run if its representation requires grad all the same -- a trainable tensor
@@ -359,6 +359,7 @@ def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tens
     # each chunk's backward runs with autocast off, as it would outside the context. The modules
     # in their pass-1 modes (a model.eval() before cached_encode's backward changes nothing).
     modes = units[rerun[0]].state.modes_restored() if units[rerun[0]].state is not None else contextlib.nullcontext()
+    agreed = False
     with amp(), modes:
         for n, (k, chunk) in enumerate(zip(rerun, staged([units[k].chunk for k in rerun], device, opts.offload_inputs))):
             u = units[k]
@@ -367,13 +368,17 @@ def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tens
                 u.written.check_before_rerun()
             if u.state is not None:  # (a hook may have stepped an optimizer in an earlier backward)
                 u.state.check_params("the cached forward", during_backward=True)
-            if sync and opts.check_plain_ddp:
-                check_no_plain_forward_pending(u.ddps)
             with sync_context(u.ddps, sync=sync)(), own_ddp_forwards():
                 states, record = u.buffers
                 with restoring(states, record, [u.model]), torch.enable_grad(), u.rng.replay(), \
                         skipping_inits([u.model], u.lazy_after):
                     rep = _rep(opts, u.model, chunk, u.rows)
+                if sync and opts.check_plain_ddp and not agreed:
+                    # once, between the first synced re-run's forward and its backward: after the
+                    # forward, where DDP may rebuild its buckets (a collective that ranks with other
+                    # chunk counts reach in other chunks), before the backward's all-reduce
+                    agree_no_plain_forward_pending(u.ddps)
+                    agreed = True
                 with no_amp(), acc.chunk():
                     graphs += _send(rep, slices[k], opts, retain=u.hidden)
             del rep

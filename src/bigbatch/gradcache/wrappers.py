@@ -4,7 +4,6 @@ FSDP (refused, with the reason)."""
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from typing import Callable, ContextManager, Iterator, List, Sequence
 
@@ -60,63 +59,86 @@ def ddp_bypassed(model: nn.Module) -> Iterator[None]:
 
 # -- plain forwards of a DDP module that cached_encode also re-runs ------------------------------
 # DDP's reducer serves one synced forward per backward. A plain synced forward (grad on, sync on)
-# of a DDP module whose backward has not run yet is re-armed away by a cached_encode re-run's synced
+# of a DDP module whose reduction has not run is re-armed away by a cached_encode re-run's synced
 # forward: its gradients are then never all-reduced, with no error from DDP (whose state does not
-# show a pending reduction). So the forwards are watched: a forward hook, installed on a DDP module
-# the first time cached_encode sees it, counts each such forward as pending until the end of the
-# backward that reaches its output's node; the re-run refuses to start while one is pending.
-_OURS = threading.local()  # set while bigbatch itself calls a DDP forward (re-runs, the probe)
-_PENDING: "weakref.WeakKeyDictionary[DistributedDataParallel, set]" = weakref.WeakKeyDictionary()
+# show a pending reduction). So the forwards are watched, from the first cached_encode call on the
+# module: a forward hook counts each such forward as pending, and the end of a backward that
+# accumulated into the module's parameters (a post-accumulate-grad hook: DDP reduced there)
+# settles them. bigbatch's own forwards and backwards (re-runs, the memory probe) are not counted
+# (a global depth, not a thread-local: CUDA backwards run the hooks on autograd's device threads).
+_OWN_DEPTH = [0]
+
+
+class _Watch:
+    """One DDP module's plain synced forwards not yet reduced."""
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.queued = False
+
+    def settle(self) -> None:
+        self.pending, self.queued = 0, False
+
+
+_WATCHES: "weakref.WeakKeyDictionary[DistributedDataParallel, _Watch]" = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
 def own_ddp_forwards() -> Iterator[None]:
-    """DDP forwards inside the block are bigbatch's own (not watched)."""
-    before = getattr(_OURS, "active", False)
-    _OURS.active = True
+    """DDP forwards and backwards inside the block are bigbatch's own (not watched)."""
+    _OWN_DEPTH[0] += 1
     try:
         yield
     finally:
-        _OURS.active = before
-
-
-def _watch_hook(module: DistributedDataParallel, args, output) -> None:
-    if getattr(_OURS, "active", False) or not (torch.is_grad_enabled() and module.require_backward_grad_sync):
-        return
-    from .chunking import tensor_leaves
-
-    nodes = {id(t.grad_fn): t.grad_fn for t in tensor_leaves(output) if t.grad_fn is not None}
-    if not nodes:
-        return
-    pending, token = _PENDING[module], object()
-    pending.add(token)
-
-    def reached(grad_outputs) -> None:  # DDP finalises its reduction at the end of that backward
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: pending.discard(token))
-
-    for node in nodes.values():
-        node.register_prehook(reached)
+        _OWN_DEPTH[0] -= 1
 
 
 def watch_plain_forwards(ddps: Sequence[DistributedDataParallel]) -> None:
-    """From now on, count the plain synced forwards of these DDP modules (once per module)."""
+    """From now on, count the plain synced forwards of these DDP modules (hooks installed once)."""
     for d in ddps:
-        if d not in _PENDING:
-            _PENDING[d] = set()
-            d.register_forward_hook(_watch_hook)
+        if d in _WATCHES:
+            continue
+        watch = _WATCHES[d] = _Watch()
+
+        def forward_hook(module, args, output, watch=watch) -> None:
+            if not _OWN_DEPTH[0] and torch.is_grad_enabled() and module.require_backward_grad_sync:
+                watch.pending += 1
+
+        def accumulated(param, watch=watch) -> None:
+            if not _OWN_DEPTH[0] and watch.pending and not watch.queued:
+                watch.queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(watch.settle)
+
+        d.register_forward_hook(forward_hook)
+        for p in d.module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(accumulated)
 
 
-def check_no_plain_forward_pending(ddps: Sequence[DistributedDataParallel]) -> None:
-    """Before a cached re-run's synced forward: refuse if a plain synced forward of the same DDP
-    module still waits for its backward (see above)."""
-    if any(_PENDING.get(d) for d in ddps):
-        raise RuntimeError(
-            "cached_encode under DistributedDataParallel: a plain forward of the same DDP module (grad and "
-            "gradient sync on) has not been back-propagated yet. DDP reduces one synced forward per backward, "
-            "and re-running the cached chunks through it would leave that forward's gradients unsynchronised "
-            "across ranks. Encode every input of the module with cached_encode (or use GradCache), or "
-            "back-propagate the plain forward's loss first; if that forward was an evaluation, run it under "
-            "torch.no_grad()")
+def agree_no_plain_forward_pending(ddps: Sequence[DistributedDataParallel]) -> None:
+    """Before a cached re-run's synced backward: every rank learns whether any rank has a plain
+    synced forward of the module still unreduced (one small all-reduce on the DDP module's group,
+    which every rank reaches, since the re-run's own reduction is a collective too), and all refuse
+    together rather than leave the others waiting in that reduction."""
+    from ..distributed.ring import exchange_device
+
+    for d in ddps:
+        watch = _WATCHES.get(d)
+        mine = bool(watch and watch.pending)
+        param = next(d.module.parameters(), None)
+        device = exchange_device(d.process_group, param.device if param is not None else None)
+        flag = torch.tensor([float(mine)], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=d.process_group)
+        if flag.item():
+            if watch is not None:
+                watch.settle()  # this step is abandoned; the next starts clean
+            raise RuntimeError(
+                "cached_encode under DistributedDataParallel: a plain forward of the same DDP module (grad and "
+                f"gradient sync on) {'on this rank' if mine else 'on another rank'} has not been reduced by a "
+                "backward yet. DDP reduces one synced forward per backward, and re-running the cached chunks "
+                "through it would leave that forward's gradients unsynchronised across ranks. Encode every input "
+                "of the module with cached_encode (or use GradCache), or back-propagate the plain forward's loss "
+                "first; a forward that is only evaluated or logged belongs under torch.no_grad()")
 
 
 def is_model_list(m: object) -> bool:
