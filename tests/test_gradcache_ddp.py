@@ -476,3 +476,30 @@ def test_cached_encode_refuses_a_pending_plain_forward_of_the_same_ddp_module():
                             "plain_backpropagated_first": ["ok", "ok"], "fixed_after_refusal": ["refused", "ok"],
                             # the plain forward before the first cached_encode call: step 1 not seen
                             "input_gradient_of_the_plain_forward": ["ok", "refused"]}, rank_out
+
+
+def _rewrapped_worker(rank: int, world: int):
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bigbatch
+    from bigbatch.gradcache.accumulate import GradAccumulation
+
+    torch.set_num_threads(1)
+    model = _encoder()
+    fused_before = GradAccumulation(model).fused
+    for _ in range(3):  # e.g. re-wrapped after unfreezing layers
+        wrapper = DDP(model)
+        bigbatch.cached_encode(wrapper, _data(world)[0][:4], chunk_size=CHUNK).sum().backward()
+        del wrapper
+        gc.collect()
+    hooks = len(model[0].weight._post_accumulate_grad_hooks)
+    return fused_before, GradAccumulation(model).fused, hooks
+
+
+def test_the_ddp_watch_leaves_one_hook_per_parameter_and_the_fused_accumulation():
+    """The watch's post-accumulate hook is installed once per parameter (not once per DDP wrapper
+    it ever had) and does not switch off the fused accumulation of the bare module."""
+    for fused_before, fused_after, hooks in run_gloo(_rewrapped_worker, 2, timeout=120.0):
+        assert fused_before and fused_after and hooks == 1, (fused_before, fused_after, hooks)

@@ -34,7 +34,9 @@ ENABLED = True  # module switch, for A/B measurements (experiments/); the librar
 def _fusable(model: nn.Module, params: List[nn.Parameter]) -> bool:
     if ddp_modules(model):
         return False
-    return not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in params)
+    # a user's post-accumulate hook must see each accumulation (bigbatch's own DDP watch need not)
+    return not any(not getattr(h, "bigbatch_watch", False)
+                   for p in params for h in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values())
 
 
 def _merge(params: List[nn.Parameter], old: List[Optional[Tensor]]) -> None:

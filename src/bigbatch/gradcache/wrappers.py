@@ -8,8 +8,9 @@ import weakref
 from typing import Callable, ContextManager, Iterator, List, Sequence
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.weak import WeakTensorKeyDictionary
 
 DDP_SYNC_MODES = ("last_chunk", "every_chunk")
 
@@ -81,6 +82,23 @@ class _Watch:
 
 
 _WATCHES: "weakref.WeakKeyDictionary[DistributedDataParallel, _Watch]" = weakref.WeakKeyDictionary()
+# per parameter, the watches of the DDP modules that hold it: one hook per parameter however many
+# DDP wrappers it has had (a watch goes with its wrapper)
+_PARAM_WATCHES = WeakTensorKeyDictionary()
+
+
+def _accumulated(param: Tensor) -> None:
+    """Post-accumulate-grad hook: a backward accumulated into ``param`` outside bigbatch's own
+    re-runs, so DDP reduced there: that backward's end settles the watches of ``param``'s modules."""
+    if _OWN_DEPTH[0]:
+        return
+    for watch in list(_PARAM_WATCHES.get(param, ())):
+        if watch.pending and not watch.queued:
+            watch.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(watch.settle)
+
+
+_accumulated.bigbatch_watch = True  # accumulate.py's fusion ignores it (it only reads the event)
 
 
 @contextlib.contextmanager
@@ -104,15 +122,14 @@ def watch_plain_forwards(ddps: Sequence[DistributedDataParallel]) -> None:
             if not _OWN_DEPTH[0] and torch.is_grad_enabled() and module.require_backward_grad_sync:
                 watch.pending += 1
 
-        def accumulated(param, watch=watch) -> None:
-            if not _OWN_DEPTH[0] and watch.pending and not watch.queued:
-                watch.queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(watch.settle)
-
         d.register_forward_hook(forward_hook)
         for p in d.module.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(accumulated)
+            if not p.requires_grad:
+                continue
+            if p not in _PARAM_WATCHES:
+                _PARAM_WATCHES[p] = weakref.WeakSet()
+                p.register_post_accumulate_grad_hook(_accumulated)
+            _PARAM_WATCHES[p].add(watch)
 
 
 def agree_no_plain_forward_pending(ddps: Sequence[DistributedDataParallel]) -> None:
