@@ -7,7 +7,8 @@ loss is a weighted sum of those vectors, assembled here with plain torch ops.
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -28,22 +29,30 @@ from .backends import BackendArg, resolve_backend
 from .tiled_lse import tiled_softmax_stats
 
 
-def _check_inputs(q_name, q, k_name, k, scale, backend, *, same_rows, group, kind, reduction="mean"):
-    """``(scale tensor, backend)`` after the local checks. With a group, a failure on this rank is
-    raised on every rank (the others would otherwise wait in the ring's first collective)."""
+@contextlib.contextmanager
+def shared_local_errors(group, kind: str, features: object) -> Iterator[None]:
+    """Checks of this rank's input, run before a ring's first collective: with a group, a failure
+    is raised on every rank (the others would otherwise wait in that collective); without one, as
+    it is. ``features``: this rank's features (their device carries the exchange where it can)."""
     try:
+        yield
+    except Exception as exc:
+        if group is None:
+            raise
+        from .distributed import raise_on_every_rank
+
+        raise_on_every_rank(group, kind, exc, features.device if isinstance(features, torch.Tensor) else None)
+
+
+def _check_inputs(q_name, q, k_name, k, scale, backend, *, same_rows, group, kind, reduction="mean"):
+    """``(scale tensor, backend)`` after the local checks (shared with every rank of a group)."""
+    with shared_local_errors(group, kind, q):
         check_pair(q_name, q, k_name, k, same_rows=same_rows)
         check_reduction(reduction)
         s = prepare_scalar("scale", scale, q)
         if group is not None:  # (on one process the autograd Function refuses them)
             refuse_transformed("the ring losses", q, k, s)
         return s, resolve_backend(backend, q.device, q.dtype)
-    except Exception as exc:  # any local failure is shared below, so no rank is left waiting
-        if group is None:
-            raise
-        from .distributed import raise_on_every_rank
-
-        raise_on_every_rank(group, kind, exc, q.device if isinstance(q, torch.Tensor) else None)
 
 
 @autocast_off

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .backends import BackendArg
-from .functional import clip_loss
+from .functional import clip_loss, shared_local_errors
 
 _SIGLIP_DIST_IMPLS = (None, "bidir", "shift", "reduce", "gather")
 
@@ -141,18 +141,12 @@ class ClipLoss(_GroupLoss):
         group = self._group()
         bias = None
         if logit_bias is not None:  # checked before the ring: a rank raising alone would hang the others
-            device = image_features.device if isinstance(image_features, Tensor) else None
-            try:
+            with shared_local_errors(group, "clip", image_features):
                 bias = _scalar_bias(logit_bias)
+                device = image_features.device if isinstance(image_features, Tensor) else None
                 if isinstance(bias, Tensor) and device is not None and bias.device != device and bias.device.type != "cpu":
                     raise ValueError(f"logit_bias must be on the features' device {device} (or a CPU scalar), "
                                      f"got {bias.device}")
-            except Exception as exc:
-                if group is None:
-                    raise
-                from .distributed import raise_on_every_rank
-
-                raise_on_every_rank(group, "clip", exc, device)
         loss = clip_loss(image_features, text_features, logit_scale, group=group, backend=self.backend)
         if bias is not None:
             loss = loss + (0.0 * bias.to(loss.dtype) if isinstance(bias, Tensor) else 0.0 * bias)
