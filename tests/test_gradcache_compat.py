@@ -158,3 +158,14 @@ def test_an_input_the_builtin_split_cannot_cut_names_split_input_fn():
 
     with pytest.raises(ValueError, match=r"inputs\[1\].*pass split_input_fn="):
         GradCache(nn.Linear(3, 4), 2, lambda q, p: (q * p).sum())(torch.randn(4, 3), Obj())
+
+
+def test_gather_input_tensor_without_a_process_group_says_so():
+    """It said "group was given", which the caller never did (session 12)."""
+    import torch.distributed as dist
+
+    from bigbatch.gradcache import gather_input_tensor
+
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="gather_input_tensor.*init_process_group"):
+        gather_input_tensor(lambda a: a)(torch.ones(2, 3))

@@ -159,6 +159,15 @@ def test_inference_mode_is_refused():
         GradCache(m, 3, clip)(x, x)
 
 
+def test_no_grad_is_refused():
+    """Under no_grad a plain step cannot back-propagate; GradCache filled .grad there (session 12)."""
+    m = nn.Linear(6, 8).to(F64)
+    x = torch.randn(6, 6, dtype=F64)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="no_grad"):
+        GradCache(m, 3, clip)(x, x)
+    assert m.weight.grad is None
+
+
 def test_cached_encode_reruns_without_autocast_when_its_forward_had_none():
     """The backward may run inside an autocast region; the re-runs must compute as the forward did."""
     m = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8))

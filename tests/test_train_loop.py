@@ -205,7 +205,7 @@ def test_output_dir_guards(tmp_path, data, capsys):
         # found only in the first step: the run's output is removed again (CPU: on a GPU the weights
         # alone already exceed the budget, a different clear error)
         (["--memory-budget", "100B", "--device", "cpu"], "the .grad tensors the step creates"),
-        (["--memory-budget", "20KiB", "--device", "cpu"], "cannot even hold the cached representations"),
+        (["--memory-budget", "20KiB", "--device", "cpu"], "cannot hold the cached representations"),
         (["--memory-budget", "40KiB", "--device", "cpu"], "too small for even one example"),
     ],
 )

@@ -15,10 +15,10 @@ run forward + backward of two small chunks ``c1 < c2`` and fit ``peak(c) = fixed
   backward (``saved_tensors_hooks``) and ``peak`` is taken as ``2 * act`` (the backward holds the
   activations and their gradients). An estimate; on CPU a budget is a guide, not a guarantee.
 
-The probe uses ``torch.autograd.grad`` (no ``.grad`` is touched; for models with reentrant
-activation checkpointing, which refuses it, a ``.backward()`` whose ``.grad`` is set aside and put
-back), a forked random state and a copy of the model's buffers (restored afterwards), so it
-changes nothing the step can see.
+The probe uses ``torch.autograd.grad`` (for models with reentrant activation checkpointing, which
+refuses it, a ``.backward()``) with the ``.grad`` and gradient hooks of every leaf it reaches set
+aside, a forked random state and a copy of the model's buffers (restored afterwards), so it
+changes nothing the step can see (forward hooks, as a forward's, run).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from .buffers import buffers_restored
+from .hooks import leaf_grads_set_aside
 from .lazy import buffers_reset_after
 from .chunking import (batch_size, call_model, check_not_detached, map_tensors, model_device, split_batch,
                        tensor_leaves, to_device)
@@ -67,6 +68,14 @@ def parse_memory(value: MemoryArg, name: str = "memory_budget") -> Optional[int]
     return out
 
 
+def size(n: float) -> str:
+    """``n`` bytes for a message: ``"12.5 KiB"``, ``"15.3 GiB"`` (3 significant digits)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
 @dataclass(frozen=True)
 class ChunkCost:
     """Memory model of one chunk: ``fixed + per_row * rows`` at the forward+backward peak,
@@ -99,9 +108,9 @@ class ChunkCost:
         room = budget - self.fixed
         if room < self.per_row:
             raise ValueError(
-                f"memory_budget is too small for even one example: it leaves {budget / 2**30:.3g} GiB for a "
+                f"memory_budget is too small for even one example: it leaves {size(budget)} for a "
                 f"chunk (after what is allocated, slack and the cached representations), and forward + "
-                f"backward of one row takes about {self.peak(1) / 2**30:.3g} GiB"
+                f"backward of one row takes about {size(self.peak(1))}"
             )
         return max(1, min(cap, int(room // max(self.per_row, 1.0))))
 
@@ -164,16 +173,19 @@ def planning_budget(budget: int, fraction: float, cached: float, in_use: int = 0
     ``offload_reps`` would move them off the device, for the error's advice)."""
     if in_use >= budget:
         raise ValueError(
-            f"memory_budget of {budget / 2**30:.3g} GiB is already taken by the {in_use / 2**30:.3g} GiB "
+            f"memory_budget of {size(budget)} is already taken by the {size(in_use)} "
             "allocated before the step (weights, optimizer state, gradients) and the .grad tensors the step "
             "creates (parameters whose .grad is None): raise it"
         )
     usable = int((budget - in_use) * fraction - cached)
     if usable <= 0:
+        need = in_use + cached / fraction  # the budget below which nothing is left for a chunk
         raise ValueError(
-            f"memory_budget of {budget / 2**30:.3g} GiB cannot even hold the cached representations and "
-            f"their gradients ({cached / 2**30:.3g} GiB): raise it"
-            + (", or pass offload_reps=True to keep them on the CPU" if can_offload else "")
+            f"memory_budget of {size(budget)} cannot hold the cached representations and their "
+            f"gradients ({size(cached)}) and leave room for a chunk: {size(in_use)} of it go "
+            f"to what is allocated before the step and the .grad tensors the step creates, and "
+            f"{(1 - fraction) * 100:.0f}% of the rest is slack; raise it well above {size(need)}"
+            + (", or pass offload_reps=True to keep the representations on the CPU" if can_offload else "")
         )
     return usable
 
@@ -204,6 +216,25 @@ def _signature(model: nn.Module, x: Any, autocast: Optional[torch.dtype]) -> Tup
     return (id(model), params, modes, leaves, autocast)
 
 
+def callable_key(fn: Any) -> Tuple:
+    """What identifies ``get_rep_fn`` for the probe cache: a function's code and the objects its
+    closure and ``self`` hold (a lambda written once in a training loop is a new object every step
+    but the same code: no new probe), else the callable object itself (a module, a partial)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ("object", id(fn))
+    cells = tuple(id(c.cell_contents) for c in (getattr(fn, "__closure__", None) or ()) if _filled(c))
+    return ("code", code, cells, id(getattr(fn, "__self__", None)), id(getattr(fn, "__globals__", None)))
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
 def _rep_bytes(rep: Tensor) -> float:
     return float(rep.numel() * rep.element_size())
 
@@ -220,22 +251,33 @@ def _get_rep(get_rep, out: Any, graph: bool = False) -> Tensor:
     return rep
 
 
+def graph_leaves(t: Tensor) -> List[Tensor]:
+    """The leaf tensors that a backward from ``t`` accumulates into (its graph's ``AccumulateGrad``
+    nodes): registered parameters, and trainable tensors a model does not register (a projection in
+    ``get_rep_fn``, weights passed through ``functional_call``)."""
+    out, seen, todo = [], set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, Tensor):
+            out.append(variable)
+        todo.extend(n for n, _ in node.next_functions)
+    return out
+
+
 def _backward(rep: Tensor, targets: List[Tensor], by_grad: bool) -> None:
-    """The probe's backward, leaving every ``.grad`` as it was: ``torch.autograd.grad`` (touches
-    nothing), or -- for models with reentrant activation checkpointing, which refuses
-    ``autograd.grad`` -- ``.backward()`` with the targets' ``.grad`` set aside and put back (a
-    parameter's post-accumulate-grad hooks then see the probe's gradients)."""
-    if by_grad:
-        torch.autograd.grad(rep, targets, grad_outputs=torch.ones_like(rep), allow_unused=True)
-        return
-    old = [t.grad for t in targets]
-    for t in targets:
-        t.grad = None
-    try:
-        rep.backward(torch.ones_like(rep))
-    finally:
-        for t, o in zip(targets, old):
-            t.grad = o
+    """The probe's backward, which nobody may see: every leaf it reaches has its ``.grad`` and its
+    gradient hooks set aside for it (a gradient logger must not record the probe's made-up
+    gradients). ``torch.autograd.grad`` over ``targets``, or -- for models with reentrant activation
+    checkpointing, which refuses ``autograd.grad`` -- ``.backward()``."""
+    with leaf_grads_set_aside(targets + graph_leaves(rep)):
+        if by_grad:
+            torch.autograd.grad(rep, targets, grad_outputs=torch.ones_like(rep), allow_unused=True)
+        else:
+            rep.backward(torch.ones_like(rep))
 
 
 def _measure(model, x, get_rep, autocast_ctx, params, device, by_grad: bool = True) -> Tuple[float, float, float]:
@@ -296,12 +338,12 @@ class ChunkProber:
         c1, c2 = min(self.probe_rows[0], b), min(self.probe_rows[1], b)
         # a batch smaller than the larger probe is probed at its own sizes, a cost that a later
         # larger batch must not inherit (its chunks would be sized from a few rows' line)
-        key = (_signature(model, x, autocast), c2)
+        key = (_signature(model, x, autocast), c2, callable_key(get_rep))
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        if c1 == c2 and b > 1:  # a small batch: still two sizes, or the fixed part would be charged per row
-            c1 = b // 2
+        if c1 == c2 and b > 2:  # a small batch: still two sizes, or the fixed part would be charged per row;
+            c1 = max(b // 2, 2)  # not one row, which BatchNorm in training refuses (a batch of 2: one size)
         params = [p for p in model.parameters() if p.requires_grad]  # empty: a frozen model
         device = model_device(model, x)
         devices = model_cuda_devices(model)
@@ -334,9 +376,9 @@ class ChunkProber:
                     raise
                 points = points_of(by_grad=False)
         rep_per_row = points[-1][3] / points[-1][0]
-        if len(points) == 1:  # a batch of one row: the only chunk there is, measured
-            c, peak, act, _ = points[0]
-            cost = ChunkCost(0.0, peak / c, act / c, rep_per_row)
+        if len(points) == 1:  # a batch of one or two rows, measured whole: any smaller chunk is
+            _, peak, act, _ = points[0]  # charged that peak (a line of slope one byte through it)
+            cost = ChunkCost(max(peak - 1.0, 0.0), 1.0, 0.0, rep_per_row, act)
         else:
             (ca, pa, aa, _), (cb, pb, ab, _) = points
             # A slope of at least half the larger probe's bytes per row guards large chunks against

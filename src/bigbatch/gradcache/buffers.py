@@ -6,12 +6,14 @@ must see in its re-run the values its first run saw: :class:`BufferStates` keeps
 
 Parameters that do not require grad may be state too: EMA codebooks and cluster sizes are often
 stored as ``nn.Parameter(..., requires_grad=False)`` and updated in forward through ``.data``.
-Up to ``WATCH_PARAM_BYTES`` (64 MiB) of them in all are watched: after each model's first chunk
-they are compared with a snapshot taken before the step's first forward (one host sync per
-device), and those it changed are recorded and restored like buffers from then on (a copy per
-chunk, held until pass 2); the snapshots of the others are dropped. More than that (a frozen
-tower) are taken for weights that a forward does not write. A frozen parameter first written by
-a later chunk than its model's first is not seen (store such state as a buffer).
+Up to ``WATCH_PARAM_BYTES`` (64 MiB) of them in all are watched, and so are the buffers when
+they are not all recorded (over ``RECORD_ALL_BYTES``; a ``.data`` write bumps no version): after
+each model's first chunk they are compared with a snapshot taken before the step's first forward
+(one host sync per device), and those it changed are recorded and restored like buffers from then
+on (a copy per chunk, held until pass 2); the parameters' other snapshots are dropped. More
+frozen parameters than that (a frozen tower) are taken for weights that a forward does not write.
+State first written through ``.data`` by a later chunk than its model's first is not seen (keep it
+in a buffer under ``RECORD_ALL_BYTES``, or write it in place without ``.data``).
 
 With BatchNorm in training mode every chunk is normalised with its own statistics, in both
 passes alike, so the gradients are exactly those of that chunked model; they are not those of
@@ -174,6 +176,7 @@ class BufferStates:
             groups.setdefault(id(self.originals[i]), []).append(i)
         self._groups = list(groups.values())
         owners = [{id(sub) for sub in (m.module if is_ddp(m) else m).modules()} for m in self.modules]
+        self._owned = {id(m): subs for m, subs in zip(self.modules, owners)}
         self._pending = [{id(m) for m, subs in zip(self.modules, owners) if any(id(self.slots[i][0]) in subs for i in g)}
                          for g in self._groups]  # per group: the models still to run their first chunk
         self._watched_models: set = set()
@@ -225,16 +228,27 @@ class BufferStates:
         self._marks = []
 
     def _watch(self, models: Sequence[nn.Module]) -> None:
-        """After a model's first chunk: which frozen parameters did its forward write (one host
-        sync per device)? Their slots are recorded from now on; a group that every owning model has
-        run without writing has its snapshots dropped."""
-        fresh = {id(m) for m in models if id(m) not in self._watched_models} if self.params else set()
+        """After a model's first chunk: which frozen parameters did its forward write, and -- when
+        buffers are not all recorded -- which of its buffers did it write without a version bump
+        (``.data``)? One host sync per device for both. Those slots are recorded from now on; a
+        frozen-parameter group that every owning model has run without writing has its snapshots
+        dropped. (The buffers' snapshots are ``initial``, kept anyway for the earlier chunks.)"""
+        large = not self.record_all
+        fresh = {id(m) for m in models if id(m) not in self._watched_models} if self.params or large else set()
         if not fresh:
             return
         self._watched_models |= fresh
         check = [k for k, pending in enumerate(self._pending) if pending & fresh]
         slots = [i for k in check for i in self._groups[k]]
-        changed = dict(zip(slots, _changed([(_get(self.slots[i]), self.initial[i]) for i in slots])))
+        subs = set().union(*(self._owned.get(m, set()) for m in fresh))
+        quiet = [i for i, (mod, store, _) in enumerate(self.slots)
+                 if large and store == "_buffers" and i not in self.changing and id(mod) in subs
+                 and isinstance(self.initial[i], Tensor)]
+        flags = _changed([(_get(self.slots[i]), self.initial[i]) for i in slots + quiet])
+        changed = dict(zip(slots, flags))
+        for i, written in zip(quiet, flags[len(slots):]):
+            if written:
+                self.changing[i] = None  # every earlier chunk read ``initial``
         for k in check:
             group = self._groups[k]
             written = any(changed[i] for i in group)  # written in place, or re-assigned through any owner

@@ -280,6 +280,10 @@ class GradCache:
             raise ValueError("GradCache needs at least one input")
         if torch.is_inference_mode_enabled():
             raise RuntimeError("GradCache runs a backward: it cannot run under torch.inference_mode()")
+        if not torch.is_grad_enabled():  # a plain step's loss.backward() fails there too
+            raise RuntimeError("GradCache runs a backward and accumulates into .grad: it cannot run under "
+                               "torch.no_grad(); for a loss without gradients, encode with the models under "
+                               "no_grad and call the loss yourself")
         check_not_parametrize_cached("GradCache", self.models)
         for m in self.models:  # again per step: fully_shard() converts a module in place, after __init__
             check_not_fsdp(m)

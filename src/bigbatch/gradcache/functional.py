@@ -192,6 +192,9 @@ def _gathered(t: Any, axis: int) -> Any:
     from ..distributed.gather import all_gather_rows
     from ..distributed.ring import Ring, agree
 
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("gather_input_tensor gathers from the default process group: torch.distributed is not "
+                         "initialised (call init_process_group first)")
     ring = Ring.of(dist.group.WORLD)
     sizes = [int(n) for n in agree(ring, t.device, {"rows": t.shape[axis]}, what="gather_input_tensor")["rows"]]
     parts = [p.movedim(0, axis) for p in all_gather_rows(t.movedim(axis, 0), ring, sizes)]

@@ -1,0 +1,186 @@
+"""The memory-budget probe (``gradcache/budget.py``) is invisible to the step: its made-up
+gradients reach no ``.grad`` and no gradient hook, small batches are probed without one-row chunks,
+a cached cost belongs to one ``get_rep_fn``, and a budget too small says by how much."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import bigbatch
+from bigbatch.gradcache import GradCache, cached_encode
+from bigbatch.gradcache.budget import ChunkProber, callable_key, parse_memory
+
+from helpers import assert_rel
+
+F64 = torch.float64
+
+
+def clip(a, b):
+    return bigbatch.clip_loss(a, b, 10.0)
+
+
+def mlp(seed: int, width: int = 16, norm: bool = False) -> nn.Module:
+    torch.manual_seed(seed)
+    mid = [nn.BatchNorm1d(width)] if norm else []
+    return nn.Sequential(nn.Linear(6, width), *mid, nn.Tanh(), nn.Linear(width, 8)).to(F64)
+
+
+def rows(b: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, 6, generator=g, dtype=F64), torch.randn(b, 6, generator=g, dtype=F64)
+
+
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
+def test_probe_runs_no_parameter_hook(api):
+    """A summing tensor hook and a post-accumulate hook (a gradient logger) see what a plain step's
+    chunks send, never the probe's gradients (3.9x off before, session 12)."""
+    a, b = mlp(0), mlp(1)
+    x, y = rows(11, 2)
+    clip(a(x), b(y)).backward()
+    ref = a[0].weight.grad.clone()
+    a.zero_grad(set_to_none=True), b.zero_grad(set_to_none=True)
+    seen = {"sum": torch.zeros_like(ref), "post": 0}
+
+    def log(g):  # cached_encode's node also calls it once with None (docs/gradcache.md, Limits)
+        if g is not None:
+            seen["sum"] += g
+
+    def count(p):
+        if p.grad is not None:
+            seen["post"] += 1
+
+    a[0].weight.register_hook(log)
+    a[0].weight.register_post_accumulate_grad_hook(count)
+    if api == "gradcache":
+        gc = GradCache([a, b], memory_budget="16KiB", loss_fn=clip)
+        gc(x, y)
+        chunks = len(gc.last_chunk_rows[0])
+    else:
+        clip(cached_encode(a, x, memory_budget="16KiB"), cached_encode(b, y, memory_budget="16KiB")).backward()
+        chunks = None
+    assert_rel(seen["sum"], ref, 1e-12, "hook's sum of the chunks' gradients")
+    assert_rel(a[0].weight.grad, ref, 1e-12, ".grad")
+    if chunks is not None:
+        assert chunks > 1 and seen["post"] == chunks  # one per re-run chunk, none for the probe
+
+
+class Checkpointed(nn.Module):
+    """Reentrant activation checkpointing, which refuses ``autograd.grad``: the probe falls back to
+    ``.backward()``."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.body = mlp(seed)
+
+    def forward(self, x):
+        h = self.body[0](x)  # so the checkpointed segment's input requires grad
+        return torch.utils.checkpoint.checkpoint(self.body[1:], h, use_reentrant=True)
+
+
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
+def test_reentrant_probe_leaves_an_unregistered_projection_alone(api):
+    """A projection applied in ``get_rep_fn`` (not registered in the model) kept the probe's
+    ones-gradients in its ``.grad`` under the reentrant fallback (5.5x off before, session 12)."""
+    torch.manual_seed(3)
+    proj = nn.Linear(8, 5).to(F64)
+    a, b = Checkpointed(0), Checkpointed(1)
+    x, y = rows(10, 4)
+    get_rep = lambda out: proj(out)  # noqa: E731
+    clip(get_rep(a(x)), get_rep(b(y))).backward()
+    ref = [t.grad.clone() for t in (proj.weight, a.body[0].weight)]
+    for t in (proj.weight, proj.bias, *a.parameters(), *b.parameters()):
+        t.grad = None
+    if api == "gradcache":
+        GradCache([a, b], memory_budget="16KiB", loss_fn=clip, get_rep_fn=get_rep)(x, y)
+    else:
+        clip(cached_encode(a, x, memory_budget="16KiB", get_rep_fn=get_rep),
+             cached_encode(b, y, memory_budget="16KiB", get_rep_fn=get_rep)).backward()
+    assert_rel(proj.weight.grad, ref[0], 1e-12, "projection in get_rep_fn")
+    assert_rel(a.body[0].weight.grad, ref[1], 1e-12, "encoder")
+
+
+@pytest.mark.parametrize("b", [2, 3])
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
+def test_a_batch_of_two_or_three_rows_with_batchnorm(b, api):
+    """BatchNorm in training refuses one row: the probe of a tiny batch (an epoch's last) must not
+    cut one (it raised "Expected more than 1 value per channel" before, session 12)."""
+    a, m = mlp(0, norm=True), mlp(1, norm=True)
+    x, y = rows(b, 5)
+    clip(a(x), m(y)).backward()
+    ref = a[0].weight.grad.clone()
+    a.zero_grad(set_to_none=True), m.zero_grad(set_to_none=True)
+    if api == "gradcache":
+        gc = GradCache([a, m], memory_budget="64MiB", loss_fn=clip)
+        gc(x, y)
+        assert gc.last_chunk_rows == [[b], [b]]
+    else:
+        clip(cached_encode(a, x, memory_budget="64MiB"), cached_encode(m, y, memory_budget="64MiB")).backward()
+    assert_rel(a[0].weight.grad, ref, 1e-12, "BatchNorm model, tiny batch")
+
+
+def test_the_probe_cache_tells_get_rep_fns_apart():
+    """``cached_encode`` shares one prober across calls: a second call with a wider ``get_rep_fn``
+    reused the first one's cost and planned one 512-row chunk, 1.5x over the budget (session 12)."""
+    import bigbatch.gradcache.encode as encode_mod
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64)).to(F64)
+    proj = nn.Linear(64, 8192).to(F64)
+    x = torch.randn(512, 64, dtype=F64)
+    small, wide = (lambda out: out[:, :8]), (lambda out: torch.tanh(proj(out)))
+    plans = []
+    real = encode_mod.split_chunks
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        plans.append([encode_mod.batch_size(c) for c in out])
+        return out
+
+    def plan(get_rep):
+        plans.clear()
+        cached_encode(model, x, memory_budget="100MiB", get_rep_fn=get_rep).sum().backward()
+        return plans[0]
+
+    prober = encode_mod._PROBER
+    try:
+        encode_mod.split_chunks = spy
+        encode_mod._PROBER = ChunkProber()
+        fresh = plan(wide)
+        encode_mod._PROBER = ChunkProber()
+        plan(small)
+        assert plan(wide) == fresh and len(fresh) > 1
+    finally:
+        encode_mod.split_chunks, encode_mod._PROBER = real, prober
+
+
+def test_callable_key_is_stable_for_a_lambda_rewritten_each_step():
+    """A lambda written inside a training loop is a new object each step: the same key (no new
+    probe per step); another closure or another object is another key."""
+    heads = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    keys = [callable_key(lambda out: heads[0](out)) for _ in range(3)]
+    assert keys[0] == keys[1] == keys[2]
+
+    def make(h):
+        return lambda out: h(out)
+
+    assert callable_key(make(heads[0])) == callable_key(make(heads[0]))
+    assert callable_key(make(heads[0])) != callable_key(make(heads[1]))
+    assert callable_key(heads[0]) != callable_key(heads[1])
+
+
+def test_a_budget_too_small_for_the_representations_says_by_how_much():
+    """The error named a budget larger than the need it said the budget could not hold; it now
+    names what else the budget pays for and a size to go above (session 12)."""
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(64, 1536), nn.Tanh(), nn.Linear(1536, 100)).to(F64)
+    x, y = torch.randn(2000, 64, dtype=F64), torch.randn(2000, 64, dtype=F64)
+    weights = sum(p.numel() * p.element_size() for p in enc.parameters())
+    reps = 2 * 2 * 2000 * 100 * 8
+    with pytest.raises(ValueError, match="cannot hold the cached representations") as info:
+        GradCache([enc], memory_budget=weights + reps // 2, loss_fn=clip)(x, y)
+    above = parse_memory(re.search(r"well above ([0-9.]+ [KMG]iB)", str(info.value)).group(1).replace(" ", ""))
+    assert above > weights + reps
