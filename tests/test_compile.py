@@ -109,16 +109,23 @@ def test_loss_inside_autocast_compiles_as_one_graph():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_name", ["clip", "infonce", "siglip"])
-def test_loss_with_grad_compiles_as_one_graph(loss_name):
+@pytest.mark.parametrize("same", [False, True], ids=["q,k", "q,q"])
+@pytest.mark.parametrize("loss_name", ["clip", "infonce", "siglip", "siglip_labels"])
+def test_loss_with_grad_compiles_as_one_graph(loss_name, same):
     """fullgraph=True over a loss whose inputs require grad: dynamo traces the Functions' backward
-    too (the batched-gradient check inside it must be traceable), and the gradients are eager's."""
+    too (the batched-gradient check inside it must be traceable), and the gradients are eager's.
+    ``same``: one tensor on both sides, and SigLIP's class ids, each reached the Function twice,
+    which dynamo refuses ("duplicate tensor input", session 12)."""
     torch.manual_seed(0)
     q0, k0 = torch.randn(10, 5), torch.randn(10, 5)
+    labels = torch.tensor([0, 0, 1, 1, 2, 2, 3, 4, 4, 5])
 
     def step(q, k, s):
+        k = q if same else k
         if loss_name == "siglip":
             return bigbatch.siglip_loss(q, k, s.exp(), -1.0, backend="torch")
+        if loss_name == "siglip_labels":
+            return bigbatch.siglip_loss(q, k, s.exp(), -1.0, labels=labels, backend="torch")
         return getattr(bigbatch, f"{loss_name}_loss")(q, k, s.exp(), backend="torch")
 
     grads = []

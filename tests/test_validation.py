@@ -177,3 +177,15 @@ def test_numpy_zero_d_scale_is_a_number():
     assert torch.equal(bigbatch.siglip_loss(q, k, np.array(2), np.array(-1.0)), bigbatch.siglip_loss(q, k, 2.0, -1.0))
     with pytest.raises(TypeError, match="scale must be a float"):
         bigbatch.clip_loss(q, k, np.array([2.5, 1.0]))
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1), (1, 1, 1)])
+def test_one_element_scale_and_bias_of_any_shape(shape):
+    """The error said "0-d or 1-element tensor" and refused a (1, 1) one, which ClipLoss's bias took
+    (session 12): every one-element shape is the same number."""
+    torch.manual_seed(0)
+    q, k = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    s, b = torch.full(shape, 3.0, dtype=torch.float64), torch.full(shape, -1.0, dtype=torch.float64)
+    assert bigbatch.clip_loss(q, k, s).item() == pytest.approx(bigbatch.clip_loss(q, k, 3.0).item(), rel=1e-12)
+    assert bigbatch.siglip_loss(q, k, s, b).item() == pytest.approx(bigbatch.siglip_loss(q, k, 3.0, -1.0).item(), rel=1e-12)
+    assert bigbatch.SigLipLoss()(q, k, s, b).item() == pytest.approx(bigbatch.siglip_loss(q, k, 3.0, -1.0).item(), rel=1e-12)

@@ -33,6 +33,21 @@ def refuse_create_graph(what: str, instead: str) -> None:
         )
 
 
+def distinct(*args: Any) -> list:
+    """``args`` with every tensor that repeats an earlier one (the same object: ``clip_loss(x, x)``)
+    replaced by a view of it. ``torch.compile`` refuses an autograd Function that is given one
+    tensor twice ("duplicate tensor input", a graph break that fails ``fullgraph=True``); autograd
+    sums the gradients of a view and its base either way, so eager results are unchanged."""
+    out, seen = [], set()
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if id(a) in seen:
+                a = a.view_as(a)
+            seen.add(id(a))
+        out.append(a)
+    return out
+
+
 def transformed(*tensors: Any) -> bool:
     """Whether a tensor carries a forward-mode AD tangent or is wrapped by a ``torch.func``
     transform (vmap, grad, jvp). Such an input has ``requires_grad=False``, yet a loss-only fast

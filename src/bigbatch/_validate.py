@@ -80,7 +80,7 @@ def prepare_scalar(name: str, value: object, like: Tensor) -> Tensor:
             raise ValueError(f"{name} must be finite in the loss's compute dtype {ct} (|{name}| <= "
                              f"{torch.finfo(ct).max:.4g}), got {value!r}")
         return torch.tensor(as_float, dtype=ct, device=like.device)
-    if value.numel() != 1 or value.dim() > 1:
+    if value.numel() != 1:  # any shape of one element: (), (1,), (1, 1), as OpenCLIP's modules take
         raise ValueError(f"{name} must be a scalar (0-d or 1-element tensor), got shape {tuple(value.shape)}")
     if not value.is_floating_point():
         raise TypeError(f"{name} must be a floating tensor, got dtype {value.dtype}")

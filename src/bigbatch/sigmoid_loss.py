@@ -17,7 +17,7 @@ from .backends import resolve_backend
 from .backends.base import SigmoidBackend, compute_dtype
 from ._validate import check_int_vector
 from ._amp import autocast_off
-from ._autograd import first_order, transformed
+from ._autograd import distinct, first_order, transformed
 
 SigmoidBackendArg = Union[str, SigmoidBackend]
 
@@ -31,11 +31,11 @@ class SigmoidLoss(torch.autograd.Function):
     """``norm * sum_ij softplus(-z_ij (scale q_i.k_j + bias))`` with all gradients from the forward pass."""
 
     @staticmethod
-    def forward(ctx, q, k, scale, bias, q_ids, k_ids, backend, norm: float):
+    def forward(ctx, q, k, scale, bias, ids, backend, norm: float):
         ct = compute_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=ct, device=q.device)
         dk = torch.zeros(k.shape, dtype=ct, device=k.device)
-        loss, g_sum = backend.sigmoid_pass(q, k, scale, bias, q_ids=q_ids, k_ids=k_ids, diagonal=0, dq_acc=dq, dk_acc=dk)
+        loss, g_sum = backend.sigmoid_pass(q, k, scale, bias, q_ids=ids, k_ids=ids, diagonal=0, dq_acc=dq, dk_acc=dk)
         # d(loss)/d(scale) = sum_ij G_ij (q k^T)_ij = sum_i q_i . (G k)_i: O(M*D) from the unscaled dq.
         d_scale = torch.dot(q.reshape(-1).to(ct), dq.reshape(-1)).mul_(norm)
         factor = scale * norm
@@ -59,7 +59,6 @@ class SigmoidLoss(torch.autograd.Function):
             None,
             None,
             None,
-            None,
         )
 
 
@@ -79,7 +78,7 @@ def sigmoid_loss_sum(
     """
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, scale, bias))
     if needs_grad or transformed(q, k, scale, bias):
-        return SigmoidLoss.apply(q, k, scale, bias, ids, ids, backend, norm)
+        return SigmoidLoss.apply(*distinct(q, k, scale, bias, ids), backend, norm)
     loss, _ = backend.sigmoid_pass(q, k, scale, bias, q_ids=ids, k_ids=ids, diagonal=0)
     return loss * norm
 

@@ -21,7 +21,7 @@ from torch import Tensor
 from .backends.base import TileBackend, compute_dtype
 from .backends.torch_tiles import blocks
 from ._amp import autocast_off
-from ._autograd import first_order
+from ._autograd import distinct, first_order
 
 # Rows per chunk of the positive-logit dot products: bounds the fp32 temporaries to
 # 2 * _POS_CHUNK * D elements whatever B is.
@@ -89,5 +89,5 @@ def tiled_softmax_stats(
 
     ``scale``: 0-d tensor in the compute dtype on q's device; ``labels``: (B,) int64 in [0, N).
     """
-    lse_row, lse_col, pos = TiledSoftmaxStats.apply(q, k, scale, labels, backend, rows, cols)
+    lse_row, lse_col, pos = TiledSoftmaxStats.apply(*distinct(q, k, scale, labels), backend, rows, cols)
     return (lse_row if rows else None), (lse_col if cols else None), pos
