@@ -360,6 +360,69 @@ def test_ddp_broadcast_buffers_are_what_a_rerun_reads(api, record_all):
         assert max(errs) < 1e-10, errs
 
 
+class ReadsTable(nn.Module):
+    """Only reads its buffer; rank 0 alone changes it between steps (a codebook re-initialised on
+    rank 0), left to DDP's buffer broadcast to spread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 6)
+        self.register_buffer("table", torch.ones(6))
+
+    def forward(self, v):
+        return self.lin(v) * self.table
+
+
+def _ddp_two_towers_worker(rank: int, world: int, kind: str, record_all: bool):
+    """Two DDP towers: each broadcasts rank 0's buffers in its own first forward of a step, after
+    the step's first forward (the other tower's). Each tower's re-runs must read its buffers as its
+    forwards did (0.18-0.61 off at steps 1-2 before session 12, when the values before the step's
+    very first forward stood for every model's)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from bigbatch.gradcache import buffers
+
+    if not record_all:
+        buffers.RECORD_ALL_BYTES = 0
+    make = {"data": DataWrittenScale, "inplace": RunningScale, "read": ReadsTable}[kind]
+
+    def build(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(make(), nn.Tanh(), nn.Linear(6, 6)).to(F64)
+
+    a, b, ra, rb = build(0), build(1), build(0), build(1)
+    da, db = DDP(a), DDP(b)  # broadcast_buffers=True, the default
+    errs = []
+    for step in range(3):
+        if kind == "read" and rank == 0 and step > 0:
+            for m in (a, b, ra, rb):
+                m[0].table.mul_(1.5)
+        x, y = data(8, 100 * step + rank)
+        GradCache([da, db], chunk_sizes=4, loss_fn=loss_fn)(x, y)
+        for m in (ra, rb):  # the reference: rank 0's buffers at the step start, chunks in one graph
+            for buf in m.buffers():
+                dist.broadcast(buf, 0)
+        loss_fn(*[torch.cat([m(c) for c in split_rows(t, [4, 4])]) for m, t in ((ra, x), (rb, y))]).backward()
+        for p in list(ra.parameters()) + list(rb.parameters()):
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        pairs = list(zip(list(a.parameters()) + list(b.parameters()), list(ra.parameters()) + list(rb.parameters())))
+        errs.append(max(float((p.grad - q.grad).abs().max() / q.grad.abs().max()) for p, q in pairs))
+        for p, q in pairs:
+            p.grad = q.grad = None
+    return errs
+
+
+@pytest.mark.parametrize("kind", ["data", "inplace", "read"])
+@pytest.mark.parametrize("record_all", [True, False])
+def test_ddp_two_towers_rerun_what_their_own_broadcast_gave(kind, record_all):
+    from distributed_harness import run_gloo
+
+    for errs in run_gloo(_ddp_two_towers_worker, 2, kind, record_all):
+        assert max(errs) < 1e-10, errs
+
+
 class DropsABuffer(nn.Module):
     """Registers a scratch buffer in its first forward and deletes it in the next."""
 

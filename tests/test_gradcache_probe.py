@@ -157,19 +157,55 @@ def test_the_probe_cache_tells_get_rep_fns_apart():
         encode_mod.split_chunks, encode_mod._PROBER = real, prober
 
 
+HEAD = nn.Linear(2, 2)
+
+
 def test_callable_key_is_stable_for_a_lambda_rewritten_each_step():
-    """A lambda written inside a training loop is a new object each step: the same key (no new
-    probe per step); another closure or another object is another key."""
+    """A lambda written inside a training loop is a new object each step, maybe over a per-step
+    float or tensor: the same key (no new probe per step, which a key by closure ids gave)."""
     heads = [nn.Linear(2, 2), nn.Linear(2, 2)]
     keys = [callable_key(lambda out: heads[0](out)) for _ in range(3)]
     assert keys[0] == keys[1] == keys[2]
 
+    def make(h, sigma, noise):
+        return lambda out: h(out) + sigma * noise
+
+    assert len({callable_key(make(heads[0], 0.1 * step, torch.randn(3))) for step in range(4)}) == 1
+
+
+def test_callable_key_tells_apart_what_changes_memory():
+    """Another module, slice width or key, through a closure, a default argument, a partial, a
+    bound method's object or a rebound global, is another key (defaults and globals were ignored,
+    and partials keyed by an id a freed one's successor could reuse; session 12)."""
+    import functools
+
+    global HEAD
+    narrow, wide = nn.Linear(2, 2), nn.Linear(2, 64)
+
     def make(h):
         return lambda out: h(out)
 
-    assert callable_key(make(heads[0])) == callable_key(make(heads[0]))
-    assert callable_key(make(heads[0])) != callable_key(make(heads[1]))
-    assert callable_key(heads[0]) != callable_key(heads[1])
+    assert callable_key(make(narrow)) == callable_key(make(narrow))
+    assert callable_key(make(narrow)) != callable_key(make(wide))
+    assert callable_key(lambda o, p=narrow: p(o)) != callable_key(lambda o, p=wide: p(o))
+    assert callable_key(lambda o, *, p=narrow: p(o)) != callable_key(lambda o, *, p=wide: p(o))
+
+    def head(o, p):
+        return p(o)
+
+    assert callable_key(functools.partial(head, p=narrow)) == callable_key(functools.partial(head, p=narrow))
+    assert callable_key(functools.partial(head, p=narrow)) != callable_key(functools.partial(head, p=wide))
+    cut = [callable_key((lambda k: lambda o: o[:, :k])(k)) for k in (8, 8, 16)]
+    assert cut[0] == cut[1] != cut[2]
+    assert callable_key(narrow) != callable_key(wide)
+    assert callable_key(narrow.forward) != callable_key(wide.forward)
+
+    def global_head(o):
+        return HEAD(o)
+
+    before = callable_key(global_head)
+    HEAD = nn.Linear(2, 64)
+    assert callable_key(global_head) != before
 
 
 def test_a_budget_too_small_for_the_representations_says_by_how_much():

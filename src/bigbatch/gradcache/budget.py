@@ -23,8 +23,10 @@ changes nothing the step can see (forward hooks, as a forward's, run).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Set, Tuple, Union
@@ -216,15 +218,52 @@ def _signature(model: nn.Module, x: Any, autocast: Optional[torch.dtype]) -> Tup
     return (id(model), params, modes, leaves, autocast)
 
 
-def callable_key(fn: Any) -> Tuple:
-    """What identifies ``get_rep_fn`` for the probe cache: a function's code and the objects its
-    closure and ``self`` hold (a lambda written once in a training loop is a new object every step
-    but the same code: no new probe), else the callable object itself (a module, a partial)."""
+def callable_key(fn: Any, depth: int = 0) -> Tuple:
+    """What identifies ``get_rep_fn`` for the probe cache, i.e. what its memory may depend on: a
+    function's code, and what its closure cells, defaults, ``self`` and the globals its code names
+    hold (:func:`_fingerprint`); a partial's function and arguments; else the callable object
+    itself (a module). A lambda rewritten every step in a training loop -- a new object, the same
+    code over the same modules -- is not probed again, also when it closes over a per-step float or
+    a tensor of the same shape; a projection module swapped for another, a different slice width
+    (an int) or key (a string) is a new probe."""
+    if isinstance(fn, functools.partial):
+        return ("partial", _fingerprint(fn.func, depth + 1), tuple(_fingerprint(a, depth + 1) for a in fn.args),
+                tuple(sorted((k, _fingerprint(v, depth + 1)) for k, v in fn.keywords.items())))
     code = getattr(fn, "__code__", None)
     if code is None:
-        return ("object", id(fn))
-    cells = tuple(id(c.cell_contents) for c in (getattr(fn, "__closure__", None) or ()) if _filled(c))
-    return ("code", code, cells, id(getattr(fn, "__self__", None)), id(getattr(fn, "__globals__", None)))
+        return _fingerprint(fn, depth)
+    func = getattr(fn, "__func__", fn)  # a bound method's function
+    cells = tuple(_fingerprint(c.cell_contents, depth + 1) for c in (getattr(func, "__closure__", None) or ())
+                  if _filled(c))
+    defaults = tuple(_fingerprint(d, depth + 1) for d in (getattr(func, "__defaults__", None) or ()))
+    kwdefaults = tuple(sorted((k, _fingerprint(v, depth + 1)) for k, v in (getattr(func, "__kwdefaults__", None) or {}).items()))
+    scope = getattr(func, "__globals__", None) or {}
+    names = tuple((n, _fingerprint(scope[n], depth + 1)) for n in code.co_names if n in scope)
+    return ("code", code, cells, defaults, kwdefaults, names, _fingerprint(getattr(fn, "__self__", None), depth + 1))
+
+
+def _fingerprint(obj: Any, depth: int) -> Any:
+    """A hashable stand-in for ``obj`` in :func:`callable_key`: numbers that cannot size anything
+    (floats) by type; ints, strings and bools by value; tensors by shape, dtype, device and
+    requires_grad; functions and partials by their own key; small lists, tuples and dicts by their
+    items; any other object by a weak reference (its identity while it lives: a new object at a
+    freed one's address is not taken for it), or by ``id`` where it takes none."""
+    if obj is None or isinstance(obj, (float, complex)):
+        return type(obj).__name__
+    if isinstance(obj, (bool, int, str, bytes, torch.dtype, torch.device)):
+        return (type(obj).__name__, obj)
+    if isinstance(obj, Tensor):
+        return ("tensor", tuple(obj.shape), obj.dtype, obj.device, obj.requires_grad)
+    if depth < 4 and (isinstance(obj, functools.partial) or (callable(obj) and hasattr(obj, "__code__"))):
+        return callable_key(obj, depth)
+    if depth < 4 and isinstance(obj, (list, tuple)) and len(obj) <= 16:
+        return (type(obj).__name__, tuple(_fingerprint(o, depth + 1) for o in obj))
+    if depth < 4 and isinstance(obj, dict) and len(obj) <= 16:
+        return ("dict", tuple((_fingerprint(k, depth + 1), _fingerprint(v, depth + 1)) for k, v in obj.items()))
+    try:
+        return ("object", weakref.ref(obj))
+    except TypeError:
+        return ("id", id(obj))
 
 
 def _filled(cell: Any) -> bool:
@@ -376,9 +415,9 @@ class ChunkProber:
                     raise
                 points = points_of(by_grad=False)
         rep_per_row = points[-1][3] / points[-1][0]
-        if len(points) == 1:  # a batch of one or two rows, measured whole: any smaller chunk is
-            _, peak, act, _ = points[0]  # charged that peak (a line of slope one byte through it)
-            cost = ChunkCost(max(peak - 1.0, 0.0), 1.0, 0.0, rep_per_row, act)
+        if len(points) == 1:  # a batch of one or two rows, measured whole: a smaller chunk is
+            c, peak, act, _ = points[0]  # charged about that peak (a line of slope one byte through it)
+            cost = ChunkCost(max(peak - c, 0.0), 1.0, 0.0, rep_per_row, act)
         else:
             (ca, pa, aa, _), (cb, pb, ab, _) = points
             # A slope of at least half the larger probe's bytes per row guards large chunks against

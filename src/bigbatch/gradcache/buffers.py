@@ -54,6 +54,7 @@ class _Marker:
 
 
 ABSENT = _Marker("ABSENT")  # the buffer was not registered yet: restoring removes it
+PENDING = _Marker("PENDING")  # no model owning the slot has started its first forward yet
 LAZY = _Marker("LAZY")  # an uninitialised (lazy) buffer: left as it is
 
 
@@ -180,10 +181,12 @@ class BufferStates:
         self._pending = [{id(m) for m, subs in zip(self.modules, owners) if any(id(self.slots[i][0]) in subs for i in g)}
                          for g in self._groups]  # per group: the models still to run their first chunk
         self._watched_models: set = set()
-        self._first_record: Optional[Dict[int, Any]] = None  # may share the snapshots with ``initial``
-        # the values before the first chunk, taken by its first in-forward record (after DDP's
-        # broadcast: what that forward read), or at the end of its block if none was taken
-        self.initial: Optional[List[Any]] = None
+        self._first_records: List[Dict[int, Any]] = []  # may share their snapshots with ``initial``
+        # per slot, its value before the first chunk of the first model owning it, taken by that
+        # chunk's in-forward record (after that model's DDP broadcast: what its forward read; each
+        # DDP tower broadcasts its own buffers in its own forward), or at the end of its block if
+        # none was taken
+        self.initial: List[Any] = [PENDING] * len(self.slots)
         self.changing: Dict[int, None] = {}  # slot indices, in the order they were seen changing
         self._marks: List[Tuple[Any, int]] = []
 
@@ -192,15 +195,25 @@ class BufferStates:
         return [(buf, buf._version if isinstance(buf, Tensor) and not is_lazy(buf) else -1)
                 for buf in map(_get, self.slots)]
 
-    def before(self, provisional: bool = False) -> Dict[int, Any]:
-        """The record of the chunk whose forward starts now. ``provisional``: taken before the
-        forward (outside a DDP wrapper), superseded by the in-forward record when there is one."""
+    def _owned_by(self, models: Sequence[nn.Module]) -> List[int]:
+        """The slots of the submodules of ``models`` (of every model when none is named)."""
+        if not models:
+            return list(range(len(self.slots)))
+        subs = set().union(*(self._owned.get(id(m), set()) for m in models))
+        return [i for i, slot in enumerate(self.slots) if id(slot[0]) in subs]
+
+    def before(self, provisional: bool = False, models: Sequence[nn.Module] = ()) -> Dict[int, Any]:
+        """The record of the chunk of ``models`` whose forward starts now. ``provisional``: taken
+        before the forward (outside a DDP wrapper), superseded by the in-forward record when there
+        is one."""
         self._marks = self._mark()
-        if provisional and self.initial is None:  # it may become ``initial``: every buffer
-            return {i: _copy(_get(slot)) for i, slot in enumerate(self.slots)}
-        if self.initial is None:
-            self.initial = [_copy(_get(slot)) for slot in self.slots]
-        return {i: _copy(_get(self.slots[i])) for i in self._recorded()}
+        first = [i for i in self._owned_by(models) if self.initial[i] is PENDING]
+        if provisional:  # it may become the ``initial`` values of the slots seen first
+            return {i: _copy(_get(self.slots[i])) for i in {*self._recorded(), *first}}
+        for i in first:
+            self.initial[i] = _copy(_get(self.slots[i]))
+        # a snapshot is never written into (restore copies from it): the record may share it
+        return {i: self.initial[i] if i in first else _copy(_get(self.slots[i])) for i in self._recorded()}
 
     def _recorded(self) -> Iterable[int]:
         """The slots each record holds."""
@@ -211,9 +224,11 @@ class BufferStates:
     def after(self, record: Optional[Dict[int, Any]] = None, models: Sequence[nn.Module] = ()) -> None:
         """Close the forward of ``models`` whose record is ``record`` (the first one also fixes
         ``initial``)."""
-        if self.initial is None:
-            self.initial = [record.get(i, ABSENT) if record else ABSENT for i in range(len(self.slots))]
-            self._first_record = record
+        for i in self._owned_by(models):
+            if self.initial[i] is PENDING:
+                self.initial[i] = record.get(i, ABSENT) if record else ABSENT
+        if record is not None and self.params and any(id(m) not in self._watched_models for m in models):
+            self._first_records.append(record)  # a model's first: its frozen parameters' copies may go
         for i, ((now, v_now), (was, v_was)) in enumerate(zip(self._mark(), self._marks)):
             if (now is not was or v_now != v_was) and i not in self.changing:
                 self.changing[i] = None  # its value before this and every earlier chunk: ``initial``
@@ -260,14 +275,15 @@ class BufferStates:
             if not self._pending[k]:  # every owner ran without writing it
                 for i in group:
                     self.initial[i] = LAZY
-                    if self._first_record is not None:
-                        self._first_record.pop(i, None)
+                    for record in self._first_records:
+                        record.pop(i, None)
 
     def restore(self, record: Dict[int, Any]) -> None:
         """Put the buffers back to their values before the pass-1 forward of ``record``'s chunk."""
-        assert self.initial is not None, "restore() before any record was taken"
         for i in self._recorded():
-            _put(self.slots[i], record[i] if i in record else self.initial[i], self.originals[i])
+            value = record[i] if i in record else self.initial[i]
+            if value is not PENDING:  # (a slot is recorded only once a model owning it has run)
+                _put(self.slots[i], value, self.originals[i])
 
 
 @contextlib.contextmanager
@@ -292,8 +308,8 @@ def _at_forward_start(models: Sequence[nn.Module], fn: Callable[[], None]) -> It
 def recording(states: BufferStates, models: Sequence[nn.Module]) -> Iterator[Dict[str, Any]]:
     """Around a pass-1 forward: yields a dict whose ``"record"`` (the chunk's) is taken on entry
     and taken again where the forward starts (what it reads); closed after the block."""
-    box: Dict[str, Any] = {"record": states.before(provisional=True)}
-    with _at_forward_start(models, lambda: box.update(record=states.before())):
+    box: Dict[str, Any] = {"record": states.before(provisional=True, models=models)}
+    with _at_forward_start(models, lambda: box.update(record=states.before(models=models))):
         try:
             yield box
         finally:
