@@ -268,3 +268,41 @@ def test_forward_ad_on_one_rank_raises_on_every_rank():
     for (name, r0), (_, r1) in zip(results[0], results[1]):
         assert "forward-mode AD" in r0, f"{name}: rank 0 got {r0}"
         assert r1.startswith("ValueError") and "rank(s) [0]" in r1, f"{name}: rank 1 got {r1}"
+
+
+def _direct_entry_points(rank: int, world: int):
+    from bigbatch.distributed import ring_clip_loss, ring_infonce_loss
+
+    torch.manual_seed(rank)
+    q = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    out = []
+    cases = [
+        lambda: ring_clip_loss(q, k, 5.0, group=dist.group.WORLD, backend="bogus"),
+        lambda: ring_infonce_loss(q, k, 5.0, reduction="avg" if rank == 1 else "mean", group=dist.group.WORLD),
+        lambda: ring_clip_loss(q, k, "5", group=dist.group.WORLD),
+    ]
+    for case in cases:
+        try:
+            case()
+            out.append("no error")
+        except (ValueError, TypeError) as exc:
+            out.append(str(exc))
+        dist.barrier()
+    # a python float scale and a backend name are what bigbatch.clip_loss takes: the same loss
+    loss = ring_clip_loss(q, k, 5.0, group=dist.group.WORLD, backend="torch")
+    ref = bigbatch.clip_loss(q, k, 5.0, group=dist.group.WORLD, backend="torch")
+    out.append(abs(loss.item() - ref.item()))
+    return out
+
+
+def test_the_exported_ring_entry_points_check_their_inputs_on_every_rank():
+    """bigbatch.distributed.ring_clip_loss / ring_infonce_loss ran any backend string as the gather
+    path, raised a bare KeyError for a bad reduction (on that rank only) and an AttributeError for a
+    float scale (session 12): they now check as clip_loss(group=...) does."""
+    for out in run_gloo(_direct_entry_points, 2, timeout=120.0):
+        bad_backend, bad_reduction, bad_scale, diff = out
+        assert "backend" in bad_backend and "bogus" in bad_backend, bad_backend
+        assert "reduction" in bad_reduction and "avg" in bad_reduction, bad_reduction
+        assert "scale" in bad_scale, bad_scale
+        assert diff < 1e-12

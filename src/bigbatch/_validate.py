@@ -29,7 +29,8 @@ def check_features(name: str, x: object) -> Tensor:
             f"{name} must have a floating dtype among float16, bfloat16, float32, float64; got {x.dtype}"
         )
     if x.shape[0] == 0:
-        raise ValueError(f"{name} must have at least one row (an empty batch has no loss), got shape {tuple(x.shape)}")
+        raise ValueError(f"{name} must have at least one row (an empty batch has no loss; with group=, every rank's "
+                         f"shard needs one), got shape {tuple(x.shape)}")
     if x.shape[1] == 0:
         raise ValueError(f"{name} must have at least one feature column, got shape {tuple(x.shape)}")
     return x

@@ -85,9 +85,9 @@ def clip_loss(
         same_rows=group is None, group=group, kind="clip",
     )
     if group is not None:
-        from .distributed import ring_clip_loss
+        from .distributed.losses import clip_over_group
 
-        return ring_clip_loss(image_features, text_features, s, group=group, backend=impl)
+        return clip_over_group(image_features, text_features, s, group=group, backend=impl)
     if impl == "reference":
         return reference.clip_loss(image_features, text_features, s)
     diagonal = torch.arange(image_features.shape[0], device=image_features.device)
@@ -128,9 +128,9 @@ def infonce_loss(
         reduction=reduction,
     )
     if group is not None:
-        from .distributed import ring_infonce_loss
+        from .distributed.losses import infonce_over_group
 
-        return ring_infonce_loss(queries, keys, s, labels=labels, reduction=reduction, group=group, backend=impl)
+        return infonce_over_group(queries, keys, s, labels=labels, reduction=reduction, group=group, backend=impl)
     b, n = queries.shape[0], keys.shape[0]
     if labels is None:
         if n < b:

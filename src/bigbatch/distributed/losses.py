@@ -146,16 +146,41 @@ def _plan(ring: Ring, table: dict, q: Tensor, labels: Optional[Tensor], *, cols:
     return RingPlan(ring, q_sizes, k_sizes, cols, chunk, pos, labels.long())
 
 
+def _checked(kind: str, q: Tensor, k: Tensor, scale: Any, backend: Any, group: Any, reduction: str = "mean"):
+    """The public entry points' input checks (those of ``bigbatch.clip_loss`` / ``infonce_loss``,
+    raised on every rank): ``(group, scale as a 0-d tensor, backend resolved)``."""
+    from .._validate import check_group
+    from ..functional import _check_inputs
+
+    group = check_group(group)
+    if group is None:
+        raise ValueError(f"ring_{kind}_loss needs a process group (group=...); without one use bigbatch.{kind}_loss")
+    names = ("image_features", "text_features") if kind == "clip" else ("queries", "keys")
+    s, impl = _check_inputs(names[0], q, names[1], k, scale, backend, same_rows=False, group=group, kind=kind,
+                            reduction=reduction)
+    return group, s, impl
+
+
 def ring_clip_loss(
-    image: Tensor, text: Tensor, scale: Tensor, *, group, backend: Backend, grad_chunk: Optional[int] = None
+    image: Tensor, text: Tensor, scale: Any, *, group, backend: Any = "auto", grad_chunk: Optional[int] = None
 ) -> Tensor:
     """Symmetric CLIP loss over the global batch of ``group``; see the module doc for semantics.
 
     ``image``/``text``: this rank's shard (b_r x D each, same b_r; b_r may differ between ranks).
-    ``scale``: 0-d tensor in the compute dtype (may require grad). ``backend``: ``"reference"``
-    (gather-with-grad, full matrices) or a tile backend (the ring). ``grad_chunk``: rows/cols per
-    backward backend call (default: 32 MiB of fp32 gradient per call).
+    ``scale``: a float or 0-d tensor (may require grad). ``backend``: as ``bigbatch.clip_loss``'s
+    (``"reference"``: gather-with-grad, full matrices; a tile backend: the ring). ``grad_chunk``:
+    rows/cols per backward backend call (default: 32 MiB of fp32 gradient per call). Inputs are
+    checked as ``bigbatch.clip_loss(..., group=group)`` checks them, which is this with the default
+    ``grad_chunk``.
     """
+    group, scale, backend = _checked("clip", image, text, scale, backend, group)
+    return clip_over_group(image, text, scale, group=group, backend=backend, grad_chunk=grad_chunk)
+
+
+def clip_over_group(image: Tensor, text: Tensor, scale: Tensor, *, group, backend: Backend,
+                    grad_chunk: Optional[int] = None) -> Tensor:
+    """:func:`ring_clip_loss` on checked inputs: ``scale`` a 0-d tensor in the compute dtype,
+    ``backend`` ``"reference"`` or a tile backend."""
     ring = Ring.of(group)
     b, n = image.shape[0], text.shape[0]
     err = None
@@ -183,12 +208,12 @@ def ring_clip_loss(
 def ring_infonce_loss(
     q: Tensor,
     k: Tensor,
-    scale: Tensor,
+    scale: Any,
     *,
     labels: Optional[Tensor] = None,
     reduction: str = "mean",
     group,
-    backend: Backend,
+    backend: Any = "auto",
     grad_chunk: Optional[int] = None,
 ) -> Tensor:
     """InfoNCE over the global batch of ``group``: queries of every rank against keys of every rank.
@@ -196,7 +221,16 @@ def ring_infonce_loss(
     ``labels`` (b_r,) index the GLOBAL key set (all ranks' keys in group-rank order); ``None``
     pairs query i with key i of the same rank. ``reduction``: ``"mean"`` / ``"sum"`` return
     the global mean / sum (backward: this rank's share); ``"none"`` this rank's per-query losses.
+    Other arguments and checks as :func:`ring_clip_loss`.
     """
+    group, scale, backend = _checked("infonce", q, k, scale, backend, group, reduction)
+    return infonce_over_group(q, k, scale, labels=labels, reduction=reduction, group=group, backend=backend,
+                              grad_chunk=grad_chunk)
+
+
+def infonce_over_group(q: Tensor, k: Tensor, scale: Tensor, *, labels: Optional[Tensor], reduction: str, group,
+                       backend: Backend, grad_chunk: Optional[int] = None) -> Tensor:
+    """:func:`ring_infonce_loss` on checked inputs (see :func:`clip_over_group`)."""
     ring = Ring.of(group)
     b, n = q.shape[0], k.shape[0]
     err, lo, hi = _local_label_error(labels, b, n, q.device)
