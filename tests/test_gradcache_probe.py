@@ -220,3 +220,41 @@ def test_a_budget_too_small_for_the_representations_says_by_how_much():
         GradCache([enc], memory_budget=weights + reps // 2, loss_fn=clip)(x, y)
     above = parse_memory(re.search(r"well above ([0-9.]+ [KMG]iB)", str(info.value)).group(1).replace(" ", ""))
     assert above > weights + reps
+
+
+def test_callable_key_of_odd_callables_is_hashable():
+    """Unhashable objects reached from get_rep_fn (a dataclass config, a numpy array, a set, an
+    object whose hash raises) made the probe cache's lookup raise TypeError (session 12, review)."""
+    import dataclasses
+    import functools
+    import types
+
+    import numpy as np
+
+    @dataclasses.dataclass
+    class Cfg:
+        k: int = 4
+
+    class BadHash:
+        def __hash__(self):
+            raise RuntimeError("no hash")
+
+        def __eq__(self, other):
+            raise RuntimeError("no eq")
+
+    cfg, arr, bag, bad = Cfg(), np.arange(4), {1, 2}, BadHash()
+
+    class Pool:
+        def __call__(self, out):
+            return out[:, : cfg.k]
+
+    odd = [lambda out: out[:, : cfg.k], lambda out: out * arr.sum(), lambda out: out[:, : len(bag)],
+           lambda out: out if bad else out, lambda out: types.FunctionType and out, Pool(), torch.tanh,
+           functools.partial(functools.partial(torch.sum, dim=1))]
+    for fn in odd:
+        hash(callable_key(fn))
+    torch.manual_seed(0)
+    model = nn.Linear(6, 8).to(F64)
+    x = torch.randn(10, 6, dtype=F64)
+    out = cached_encode(model, x, memory_budget="1MiB", get_rep_fn=lambda o: o[:, : cfg.k] * arr.sum())
+    assert out.shape == (10, 4)

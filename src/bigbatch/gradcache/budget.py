@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import types
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -220,49 +221,62 @@ def _signature(model: nn.Module, x: Any, autocast: Optional[torch.dtype]) -> Tup
 
 def callable_key(fn: Any, depth: int = 0) -> Tuple:
     """What identifies ``get_rep_fn`` for the probe cache, i.e. what its memory may depend on: a
-    function's code, and what its closure cells, defaults, ``self`` and the globals its code names
-    hold (:func:`_fingerprint`); a partial's function and arguments; else the callable object
-    itself (a module). A lambda rewritten every step in a training loop -- a new object, the same
-    code over the same modules -- is not probed again, also when it closes over a per-step float or
-    a tensor of the same shape; a projection module swapped for another, a different slice width
-    (an int) or key (a string) is a new probe."""
+    function's code, and what its closure cells, defaults, ``self`` and (for ``get_rep_fn`` itself)
+    the globals its code names hold (:func:`_fingerprint`); a partial's function and arguments;
+    else the callable object itself (a module). A lambda rewritten every step in a training loop --
+    a new object, the same code over the same modules -- is not probed again, also when it closes
+    over a per-step float or a tensor of the same shape; a projection module swapped for another, a
+    different slice width (an int) or key (a string) is a new probe. Always hashable."""
+    key = _callable_key(fn, depth)
+    try:
+        hash(key)
+    except Exception:  # an object whose hash fails somewhere inside: the callable's identity
+        return ("id", id(fn))
+    return key
+
+
+def _callable_key(fn: Any, depth: int) -> Tuple:
     if isinstance(fn, functools.partial):
         return ("partial", _fingerprint(fn.func, depth + 1), tuple(_fingerprint(a, depth + 1) for a in fn.args),
                 tuple(sorted((k, _fingerprint(v, depth + 1)) for k, v in fn.keywords.items())))
-    code = getattr(fn, "__code__", None)
-    if code is None:
+    if not isinstance(fn, (types.FunctionType, types.MethodType)):
         return _fingerprint(fn, depth)
-    func = getattr(fn, "__func__", fn)  # a bound method's function
-    cells = tuple(_fingerprint(c.cell_contents, depth + 1) for c in (getattr(func, "__closure__", None) or ())
-                  if _filled(c))
-    defaults = tuple(_fingerprint(d, depth + 1) for d in (getattr(func, "__defaults__", None) or ()))
-    kwdefaults = tuple(sorted((k, _fingerprint(v, depth + 1)) for k, v in (getattr(func, "__kwdefaults__", None) or {}).items()))
-    scope = getattr(func, "__globals__", None) or {}
-    names = tuple((n, _fingerprint(scope[n], depth + 1)) for n in code.co_names if n in scope)
-    return ("code", code, cells, defaults, kwdefaults, names, _fingerprint(getattr(fn, "__self__", None), depth + 1))
+    func = fn.__func__ if isinstance(fn, types.MethodType) else fn
+    if not isinstance(func, types.FunctionType):  # a method of a builtin
+        return _fingerprint(fn, depth)
+    cells = tuple(_fingerprint(c.cell_contents, depth + 1) for c in (func.__closure__ or ()) if _filled(c))
+    defaults = tuple(_fingerprint(d, depth + 1) for d in (func.__defaults__ or ()))
+    kwdefaults = tuple(sorted((k, _fingerprint(v, depth + 1)) for k, v in (func.__kwdefaults__ or {}).items()))
+    # the globals named by get_rep_fn's own code (co_names also lists attribute names: a global of
+    # that name is then fingerprinted for nothing, harmlessly); not those of functions it calls
+    names = tuple((n, _fingerprint(func.__globals__[n], depth + 1)) for n in func.__code__.co_names
+                  if n in func.__globals__) if depth == 0 else ()
+    owner = _fingerprint(fn.__self__, depth + 1) if isinstance(fn, types.MethodType) else None
+    return ("code", func.__code__, cells, defaults, kwdefaults, names, owner)
 
 
 def _fingerprint(obj: Any, depth: int) -> Any:
     """A hashable stand-in for ``obj`` in :func:`callable_key`: numbers that cannot size anything
     (floats) by type; ints, strings and bools by value; tensors by shape, dtype, device and
     requires_grad; functions and partials by their own key; small lists, tuples and dicts by their
-    items; any other object by a weak reference (its identity while it lives: a new object at a
-    freed one's address is not taken for it), or by ``id`` where it takes none."""
+    items; any other hashable object by a weak reference (its identity while it lives: a new object
+    at a freed one's address is not taken for it), else by ``id``."""
     if obj is None or isinstance(obj, (float, complex)):
         return type(obj).__name__
     if isinstance(obj, (bool, int, str, bytes, torch.dtype, torch.device)):
         return (type(obj).__name__, obj)
     if isinstance(obj, Tensor):
         return ("tensor", tuple(obj.shape), obj.dtype, obj.device, obj.requires_grad)
-    if depth < 4 and (isinstance(obj, functools.partial) or (callable(obj) and hasattr(obj, "__code__"))):
-        return callable_key(obj, depth)
-    if depth < 4 and isinstance(obj, (list, tuple)) and len(obj) <= 16:
+    if depth < 4 and isinstance(obj, (functools.partial, types.FunctionType, types.MethodType)):
+        return _callable_key(obj, depth)
+    if depth < 4 and type(obj) in (list, tuple) and len(obj) <= 16:
         return (type(obj).__name__, tuple(_fingerprint(o, depth + 1) for o in obj))
-    if depth < 4 and isinstance(obj, dict) and len(obj) <= 16:
+    if depth < 4 and type(obj) is dict and len(obj) <= 16:
         return ("dict", tuple((_fingerprint(k, depth + 1), _fingerprint(v, depth + 1)) for k, v in obj.items()))
     try:
+        hash(obj)
         return ("object", weakref.ref(obj))
-    except TypeError:
+    except Exception:  # unhashable (a dataclass, a set, an array) or no weak references
         return ("id", id(obj))
 
 
