@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from .hooks import forward_pre_hooks
-from .wrappers import is_ddp
+from .wrappers import ddp_modules, is_ddp
 
 
 # Below this many bytes of buffers in all, each chunk records every buffer (a copy each): a
@@ -54,7 +54,7 @@ class _Marker:
 
 
 ABSENT = _Marker("ABSENT")  # the buffer was not registered yet: restoring removes it
-PENDING = _Marker("PENDING")  # no model owning the slot has started its first forward yet
+PENDING = _Marker("PENDING")  # before the step's first forward
 LAZY = _Marker("LAZY")  # an uninitialised (lazy) buffer: left as it is
 
 
@@ -182,11 +182,16 @@ class BufferStates:
                          for g in self._groups]  # per group: the models still to run their first chunk
         self._watched_models: set = set()
         self._first_records: List[Dict[int, Any]] = []  # may share their snapshots with ``initial``
-        # per slot, its value before the first chunk of the first model owning it, taken by that
-        # chunk's in-forward record (after that model's DDP broadcast: what its forward read; each
-        # DDP tower broadcasts its own buffers in its own forward), or at the end of its block if
-        # none was taken
+        # per slot, its value before the step's first forward, taken by that forward's in-forward
+        # record (or at the end of its block if none was taken); a buffer not seen changing by the
+        # time a model owning it starts its own first forward is taken again there: inside DDP that
+        # is after the broadcast of rank 0's buffers, which each DDP tower runs in its own first
+        # forward and which bumps no version (so the values its forwards read), while a buffer
+        # already seen changing keeps the value every earlier chunk read (a model using a module
+        # it does not register may write it first)
         self.initial: List[Any] = [PENDING] * len(self.slots)
+        self._started: set = set()  # models whose first forward has (re)taken their buffers' initial values
+        self._first_taken = False
         self.changing: Dict[int, None] = {}  # slot indices, in the order they were seen changing
         self._marks: List[Tuple[Any, int]] = []
 
@@ -202,18 +207,29 @@ class BufferStates:
         subs = set().union(*(self._owned.get(id(m), set()) for m in models))
         return [i for i, slot in enumerate(self.slots) if id(slot[0]) in subs]
 
+    def _to_take(self, models: Sequence[nn.Module]) -> List[int]:
+        """The slots whose ``initial`` value the first forward of ``models`` takes (see __init__)."""
+        if not self._first_taken:  # the step's first forward: every slot
+            return list(range(len(self.slots)))
+        fresh = [m for m in models if id(m) not in self._started]
+        if not fresh:
+            return []
+        return [i for i in self._owned_by(fresh) if self.slots[i][1] == "_buffers" and i not in self.changing]
+
     def before(self, provisional: bool = False, models: Sequence[nn.Module] = ()) -> Dict[int, Any]:
         """The record of the chunk of ``models`` whose forward starts now. ``provisional``: taken
         before the forward (outside a DDP wrapper), superseded by the in-forward record when there
         is one."""
         self._marks = self._mark()
-        first = [i for i in self._owned_by(models) if self.initial[i] is PENDING]
-        if provisional:  # it may become the ``initial`` values of the slots seen first
-            return {i: _copy(_get(self.slots[i])) for i in {*self._recorded(), *first}}
-        for i in first:
+        take = self._to_take(models)
+        if provisional:  # it may become the ``initial`` values of ``take``
+            return {i: _copy(_get(self.slots[i])) for i in {*self._recorded(), *take}}
+        for i in take:
             self.initial[i] = _copy(_get(self.slots[i]))
+        self._started |= {id(m) for m in models}
+        self._first_taken = True
         # a snapshot is never written into (restore copies from it): the record may share it
-        return {i: self.initial[i] if i in first else _copy(_get(self.slots[i])) for i in self._recorded()}
+        return {i: self.initial[i] if i in take else _copy(_get(self.slots[i])) for i in self._recorded()}
 
     def _recorded(self) -> Iterable[int]:
         """The slots each record holds."""
@@ -224,9 +240,10 @@ class BufferStates:
     def after(self, record: Optional[Dict[int, Any]] = None, models: Sequence[nn.Module] = ()) -> None:
         """Close the forward of ``models`` whose record is ``record`` (the first one also fixes
         ``initial``)."""
-        for i in self._owned_by(models):
-            if self.initial[i] is PENDING:
-                self.initial[i] = record.get(i, ABSENT) if record else ABSENT
+        for i in self._to_take(models):  # no in-forward record was taken: the provisional one's
+            self.initial[i] = record.get(i, ABSENT) if record else ABSENT
+        self._started |= {id(m) for m in models}
+        self._first_taken = True
         if record is not None and self.params and any(id(m) not in self._watched_models for m in models):
             self._first_records.append(record)  # a model's first: its frozen parameters' copies may go
         for i, ((now, v_now), (was, v_was)) in enumerate(zip(self._mark(), self._marks)):
@@ -282,15 +299,16 @@ class BufferStates:
         """Put the buffers back to their values before the pass-1 forward of ``record``'s chunk."""
         for i in self._recorded():
             value = record[i] if i in record else self.initial[i]
-            if value is not PENDING:  # (a slot is recorded only once a model owning it has run)
+            if value is not PENDING:  # (never: restore follows the step's first forward)
                 _put(self.slots[i], value, self.originals[i])
 
 
 @contextlib.contextmanager
 def _at_forward_start(models: Sequence[nn.Module], fn: Callable[[], None]) -> Iterator[None]:
     """Within the block, call ``fn`` once where the first of ``models`` starts its own forward: a
-    forward pre-hook, inside a DDP wrapper on its module, so after DDP's buffer broadcast (which
-    runs in the first forward after a synced backward)."""
+    forward pre-hook; on the module a DDP wraps (the model itself, or one inside a per-input
+    wrapper), so after DDP's buffer broadcast (which runs in the first forward after a synced
+    backward; a wrapper's hook ran before it, and its re-runs read rank 0's values: 0.28 off)."""
     done = [False]
 
     def hook(mod: nn.Module, args: Any) -> None:
@@ -299,7 +317,7 @@ def _at_forward_start(models: Sequence[nn.Module], fn: Callable[[], None]) -> It
             fn()
 
     # a TorchScript module takes no hooks: its record is the one taken just before its forward
-    targets = [m.module if is_ddp(m) else m for m in models]
+    targets = [ddps[0].module if ddps else m for m in models for ddps in [ddp_modules(m)]]
     with forward_pre_hooks([(m, hook, True) for m in targets if not isinstance(m, torch.jit.ScriptModule)]):
         yield
 
