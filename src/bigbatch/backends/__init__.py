@@ -8,7 +8,6 @@ and the functional layer runs the full-matrix implementation.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
 from typing import Optional, Union
@@ -40,11 +39,10 @@ def triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and triton_interpreted())
 
 
-# Per op: (protocol, what a backend object must be, torch class, triton module, triton class).
+# Per op: (protocol, what a backend object must be, torch class).
 _OPS = {
-    "softmax": (TileBackend, "a backend object", TorchTiles, "triton_softmax", "TritonTiles"),
-    "sigmoid": (SigmoidBackend, "a sigmoid backend object (TorchSigmoid, TritonSigmoid)", TorchSigmoid,
-                "triton_sigmoid", "TritonSigmoid"),
+    "softmax": (TileBackend, "a backend object", TorchTiles),
+    "sigmoid": (SigmoidBackend, "a sigmoid backend object (TorchSigmoid, TritonSigmoid)", TorchSigmoid),
 }
 
 
@@ -54,8 +52,15 @@ def _make_triton(op: str):
             "backend='triton' needs the triton package; install it with `pip install triton` "
             "(or `pip install bigbatch[triton]`)"
         )
-    _, _, _, module, cls = _OPS[op]
-    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)()  # lazy: triton is optional
+    # lazy (triton is optional), with import statements, which torch.compile traces (fullgraph=True
+    # with backend "auto" / "triton"), where it refuses importlib.import_module
+    if op == "softmax":
+        from .triton_softmax import TritonTiles
+
+        return TritonTiles()
+    from .triton_sigmoid import TritonSigmoid
+
+    return TritonSigmoid()
 
 
 def resolve_backend(
@@ -65,7 +70,7 @@ def resolve_backend(
     :class:`TileBackend`, "sigmoid": a :class:`SigmoidBackend`) usable on ``device`` for features of
     ``dtype`` when given (the fused kernels take half and single precision: ``"auto"`` keeps float64
     on the torch tiles, ``"triton"`` refuses it)."""
-    protocol, what, torch_cls, _, _ = _OPS[op]
+    protocol, what, torch_cls = _OPS[op]
     if isinstance(backend, type):  # the class passes the Protocol check; its methods are unbound
         raise TypeError(f"backend must be one of {BACKEND_NAMES} or {what}, got the class "
                         f"{backend.__name__}: pass an instance, e.g. backend={backend.__name__}()")
