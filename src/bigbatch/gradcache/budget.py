@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from .buffers import buffers_restored
+from .head import identity_of
 from .hooks import leaf_grads_set_aside
 from .lazy import buffers_reset_after
 from .chunking import (batch_size, call_model, check_not_detached, map_tensors, model_device, split_batch,
@@ -216,7 +217,7 @@ def _signature(model: nn.Module, x: Any, autocast: Optional[torch.dtype]) -> Tup
     leaves = tuple((tuple(t.shape[1:]), t.dtype, t.requires_grad) for t in tensor_leaves(x))
     params = tuple((id(p), p.dtype, p.device, p.requires_grad) for p in model.parameters())
     modes = tuple(m.training for m in model.modules())
-    return (id(model), params, modes, leaves, autocast)
+    return (identity_of(model), params, modes, leaves, autocast)
 
 
 def callable_key(fn: Any, depth: int = 0) -> Tuple:

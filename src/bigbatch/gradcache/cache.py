@@ -18,11 +18,12 @@ gradients per input, plus what the loss needs. Work: one extra forward per re-ru
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
+from .head import attach_head
 from .budget import ChunkProber, MemoryArg, in_use_at_start, offloads, parse_memory, planning_budget, probe_cost
 from .chunking import batch_size, check_offload_target, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, backprop, encode, finalize_plan
@@ -206,12 +207,23 @@ class GradCache:
 
     # -- planning -------------------------------------------------------------------------
     def _models_for(self, n: int) -> List[nn.Module]:
+        """The model of each input, as the engine runs it (a module ``get_rep_fn`` inside it)."""
         if len(self.models) == 1:
-            return self.models * n
-        if len(self.models) != n:
+            models = self.models * n
+        elif len(self.models) != n:
             raise ValueError(f"got {n} inputs for {len(self.models)} models: pass one input per model "
                              "(or a single shared model)")
-        return self.models
+        else:
+            models = self.models
+        made: Dict[int, nn.Module] = {}  # one per distinct model: a shared encoder stays shared
+        for m in models:
+            if id(m) not in made:
+                made[id(m)] = attach_head(m, self.get_rep_fn)[0]
+        return [made[id(m)] for m in models]
+
+    def _rep_fn(self) -> Callable[[Any], Tensor]:
+        """What the engine applies to a model's output (a module ``get_rep_fn`` runs inside the model)."""
+        return _identity if self.get_rep_fn is None or isinstance(self.get_rep_fn, nn.Module) else self.get_rep_fn
 
     def _sizes(self, models: List[nn.Module], inputs: Sequence[Any]):
         """Per input: chunk size and cost model (``None`` without a budget); and the bytes chunks and
@@ -246,7 +258,7 @@ class GradCache:
 
         amp = _autocast(model_device(model, x), self.autocast_dtype)
         # (the probe bypasses the forward of every DDP module in the model: wrappers.ddp_bypassed)
-        return probe_cost(self._prober, model, x, self.get_rep_fn or _identity, amp, self.autocast_dtype,
+        return probe_cost(self._prober, model, x, self._rep_fn(), amp, self.autocast_dtype,
                           custom_split=self.split_input_fn is not None)
 
     def _plan_keep(self, units: List[Unit], costs, usable: Optional[int], trainable: Sequence[bool]) -> None:
@@ -311,7 +323,7 @@ class GradCache:
         self._plan_keep(units, costs, usable, trainable)
         finalize_plan(units)
         self.last_chunk_sizes, self.last_kept = sizes, sum(u.keep for u in units)
-        opts = EngineOptions(self.get_rep_fn or _identity, self.autocast_dtype, self.offload_inputs, self.offload_reps, ddp_sync)
+        opts = EngineOptions(self._rep_fn(), self.autocast_dtype, self.offload_inputs, self.offload_reps, ddp_sync)
         try:
             reps = encode(units, opts, len(inputs))
             # an input whose representation required grad without a registered trainable parameter

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .._autograd import refuse_batched, refuse_create_graph
+from .head import attach_head
 from .budget import ChunkProber, MemoryArg, in_use_at_start, offloads, parse_memory, planning_budget, probe_cost
 from .cache import _BUDGET_FRACTION, _identity, check_callables, check_options, default_budget
 from .chunking import batch_size, check_offload_target, chunk_rows, model_device, pin, split_chunks
@@ -56,6 +57,8 @@ class _CachedEncode(torch.autograd.Function):
                             "gradients into .grad; use a plain forward for higher derivatives")
         refuse_batched("cached_encode's representations", "its re-runs accumulate into .grad", [grad])
         units, opts = ctx.units, ctx.opts
+        if units is not None:  # before any chunk re-runs (the node stays usable outside the block)
+            check_not_parametrize_cached("cached_encode's backward", list({id(u.model): u.model for u in units}.values()))
         ctx.units = None  # a second backward through this node is an error (its graphs are spent)
         if units is None:
             raise RuntimeError("cached_encode: backward ran twice through the same representations (e.g. "
@@ -149,6 +152,7 @@ def cached_encode(
         raise TypeError(f"model must be an nn.Module with a forward (one encoder per call), got {type(model).__name__}")
     check_callables(get_rep_fn=get_rep_fn, split_input_fn=split_input_fn)
     check_not_fsdp(model)
+    model, get_rep_fn = attach_head(model, get_rep_fn)  # a module get_rep_fn: tracked as part of the model
     check_options(autocast_dtype, None, ddp_sync)
     device = model_device(model, inputs)
     if autocast_dtype is None and torch.is_autocast_enabled(device.type):

@@ -127,6 +127,7 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
                     f"the representations passed to the closure of {func.__name__} have no .grad: call it after "
                     "the loss's backward, with the tensors the decorated call returned"
                 )
+            check_not_parametrize_cached(f"the closure of {func.__name__}", modules)
             written.check_before_rerun()
             for state in model_states:
                 state.check_params(f"the cached call of {func.__name__}")
