@@ -38,12 +38,10 @@ def distinct(*args: Any) -> list:
     replaced by a view of it. ``torch.compile`` refuses an autograd Function that is given one
     tensor twice ("duplicate tensor input", a graph break that fails ``fullgraph=True``); autograd
     sums the gradients of a view and its base either way, so eager results are unchanged."""
-    out, seen = [], set()
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            if id(a) in seen:
-                a = a.view_as(a)
-            seen.add(id(a))
+    out: list = []
+    for a in args:  # identity by ``is`` (torch 2.11's dynamo cannot take id() of an intermediate tensor)
+        if isinstance(a, torch.Tensor) and any(a is b for b in out):
+            a = a.view_as(a)
         out.append(a)
     return out
 

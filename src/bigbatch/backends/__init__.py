@@ -23,9 +23,13 @@ BACKEND_NAMES = ("auto", "reference", "torch", "triton")
 BackendArg = Union[str, TileBackend]
 
 
+# looked up once, at import: torch.compile (2.11) refuses importlib.util.find_spec inside a graph
+_TRITON_FOUND = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
     """Whether the triton package can be imported (it may still lack a GPU)."""
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_FOUND
 
 
 def triton_interpreted() -> bool:
