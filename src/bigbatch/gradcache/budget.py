@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from .buffers import buffers_restored
+from .graph import graph_leaves
 from .head import identity_of
 from .hooks import leaf_grads_set_aside
 from .lazy import buffers_reset_after
@@ -303,23 +304,6 @@ def _get_rep(get_rep, out: Any, graph: bool = False) -> Tensor:
     if graph:
         check_not_detached(rep, out)
     return rep
-
-
-def graph_leaves(t: Tensor) -> List[Tensor]:
-    """The leaf tensors that a backward from ``t`` accumulates into (its graph's ``AccumulateGrad``
-    nodes): registered parameters, and trainable tensors a model does not register (a projection in
-    ``get_rep_fn``, weights passed through ``functional_call``)."""
-    out, seen, todo = [], set(), [t.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, Tensor):
-            out.append(variable)
-        todo.extend(n for n, _ in node.next_functions)
-    return out
 
 
 def _backward(rep: Tensor, targets: List[Tensor], by_grad: bool) -> None:

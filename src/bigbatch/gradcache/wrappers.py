@@ -12,6 +12,8 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from .graph import graph_leaves
+
 DDP_SYNC_MODES = ("last_chunk", "every_chunk")
 
 _FSDP_WHY = (
@@ -235,16 +237,7 @@ def check_loss_params_outside_ddp(loss: torch.Tensor, models: Sequence[nn.Module
     if not ddps or loss.grad_fn is None:
         return
     owned = {id(p): name for d in ddps for name, p in d.module.named_parameters()}
-    found, seen, stack = [], set(), [loss.grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        var = getattr(fn, "variable", None)
-        if var is not None and id(var) in owned:
-            found.append(owned[id(var)])
-        stack.extend(f for f, _ in fn.next_functions)
+    found = [owned[id(leaf)] for leaf in graph_leaves(loss) if id(leaf) in owned]
     if found:
         raise ValueError(
             f"loss_fn uses parameters of a DDP-wrapped encoder ({', '.join(sorted(set(found)))}) built with "
