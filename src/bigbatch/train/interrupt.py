@@ -15,6 +15,8 @@ import signal
 import threading
 from typing import Iterator, List
 
+import torch
+
 
 @contextlib.contextmanager
 def sigint_deferred() -> Iterator[None]:
@@ -35,3 +37,46 @@ def sigint_deferred() -> Iterator[None]:
     # half-applied update as a step boundary; the Ctrl-C is dropped with it.
     if pending:
         signal.raise_signal(signal.SIGINT)
+
+
+class AgreedStop:
+    """Ctrl-C in a run of several processes: recorded, not raised, and agreed on at step boundaries.
+
+    ``torchrun`` forwards a SIGINT to every worker, and each would take its ``KeyboardInterrupt``
+    at its own point: one inside the step's ring (a collective), another already in the save's
+    barrier, so the two meet different collectives and the run hangs or aborts without saving (3
+    of 14 trials in session 12). Inside this context a SIGINT only sets a flag; :meth:`requested`
+    (one all_reduce of one number, at each step boundary) tells every rank whether any was
+    interrupted, so all of them stop at the same boundary and save it. A second SIGINT on a rank
+    raises ``KeyboardInterrupt`` at once (a way out if a peer is gone). With one process, or outside
+    the main thread, nothing is installed and :meth:`requested` is ``False``."""
+
+    def __init__(self, world: int, device: torch.device) -> None:
+        self.world, self.device = world, device
+        self.flag = False
+        self._previous = None
+
+    def __enter__(self) -> "AgreedStop":
+        if self.world > 1 and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.flag:
+            raise KeyboardInterrupt
+        self.flag = True
+
+    def requested(self) -> bool:
+        """Whether any rank was interrupted (a collective: every rank calls it at the same boundary)."""
+        if self._previous is None:
+            return False
+        import torch.distributed as dist
+
+        t = torch.tensor([1.0 if self.flag else 0.0], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())

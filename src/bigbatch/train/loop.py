@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .data import DataError, Pair, Splits, builtin_codesearch, default_cache_dir, jsonl_splits
-from .interrupt import sigint_deferred
+from .interrupt import AgreedStop, sigint_deferred
 from .metrics import MetricsLog, encode_all, format_metrics, retrieval_metrics, summary_table
 from .model import DualEncoder, Inputs, build_model, resolve_model_path, select
 
@@ -538,8 +538,12 @@ def train(
     step = start
     step_rng = rng_state()
     t_run = time.perf_counter()
+    stop = AgreedStop(d.world, device)
     try:
+        stop.__enter__()
         while step < total and (stop_after is None or step < stop_after):
+            if stop.requested():  # several processes: all stop at this boundary (interrupt.py)
+                raise KeyboardInterrupt
             step_rng = rng_state()  # what a checkpoint taken at this step boundary restores
             t0 = time.perf_counter()
             if device.type == "cuda":
@@ -595,12 +599,15 @@ def train(
             _remove_outputs(out)
         raise
     except KeyboardInterrupt:
+        stop.__exit__()
         if bar is not None:
             bar.close()
         if cfg.save:
             say(f"\ninterrupted: saving step {step} (resume with --resume --out {out})")
             _save(out, step, model, opt, scaler, cfg, d, step_rng)
         raise
+    finally:
+        stop.__exit__()
     if bar is not None:
         bar.close()
 
