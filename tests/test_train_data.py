@@ -189,6 +189,25 @@ def test_load_jsonl_missing_file_and_bad_utf8(tmp_path):
         load_jsonl(tmp_path / "b.jsonl")
 
 
+def test_bad_utf8_and_lone_surrogates_name_the_line(tmp_path):
+    """The UTF-8 error gave a position inside the decoder's read buffer, no line; a JSON-escaped lone
+    surrogate passed and crashed a Hugging Face tokenizer later (session 12)."""
+    good = json.dumps({"query": "q", "positive": "p"}) + "\n"
+    (tmp_path / "b.jsonl").write_bytes(good.encode() * 6000 + b'{"query": "ok \xff", "positive": "p"}\n')
+    with pytest.raises(DataError, match=r"b.jsonl:6001: not valid UTF-8 \(byte 0xff at column 15\)"):
+        load_jsonl(tmp_path / "b.jsonl")
+    (tmp_path / "s.jsonl").write_text(good + '{"query": "q", "positive": "lone \\ud800 half"}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"s.jsonl:2: field \"positive\" holds a lone surrogate"):
+        load_jsonl(tmp_path / "s.jsonl")
+
+
+def test_an_eval_file_of_one_example_is_refused(tmp_path):
+    """One held-out example ranks first among one: recall 1.0 before and after, nothing measured."""
+    lines = [json.dumps({"query": f"q{i}", "positive": f"p{i}"}) for i in range(20)]
+    with pytest.raises(DataError, match="at least 2 examples"):
+        jsonl_splits(_write(tmp_path / "d.jsonl", lines), eval_path=_write(tmp_path / "e.jsonl", lines[:1]))
+
+
 def test_jsonl_splits_holdout_and_eval_file(tmp_path):
     lines = [json.dumps({"query": f"q{i}", "positive": f"p{i}"}) for i in range(200)]
     f = _write(tmp_path / "d.jsonl", lines)

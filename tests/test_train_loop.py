@@ -494,6 +494,10 @@ def test_hf_tokenizer_padding_left_and_max_length_beyond_the_model(tmp_path):
         assert torch.allclose(enc(**batch), alone, atol=1e-6)
     with pytest.raises(ValueError, match="--max-length 1000 exceeds the 512 positions"):
         HFEncoder(_minilm(tmp_path), max_length=1000)
+    for short in (1, 2):  # [CLS] and [SEP] take two positions: below that the tokenizer cut nothing
+        with pytest.raises(ValueError, match=f"--max-length {short} leaves no room for text"):
+            HFEncoder(_minilm(tmp_path), max_length=short)
+    assert HFEncoder(_minilm(tmp_path), max_length=3).tokenize(["many words here"])["input_ids"].shape[1] == 3
 
 
 def test_resume_checks_the_saved_backend_on_this_machine(tmp_path, data, capsys, monkeypatch):
@@ -541,3 +545,39 @@ def test_ctrl_c_under_several_processes_saves_one_agreed_step(tmp_path, data):
     assert got == ["interrupted", "interrupted"]
     saved = int((out / "checkpoints" / "latest").read_text().strip().split("-")[-1])
     assert 0 < saved < 400
+
+
+def test_warm_up_of_under_one_step_is_none_and_one_step_starts_below_the_peak():
+    """``max(1, int(w * total))`` warm-up steps ending at the peak made a one-step warm-up run at the
+    peak rate (the default run's 0.05 x 18 steps did nothing but delay the decay; session 12)."""
+    from bigbatch.train.loop import lr_at
+
+    assert lr_at(0, 18, 0.01, 0.05) == pytest.approx(0.01)  # 0.9 steps: none
+    assert lr_at(0, 20, 0.01, 0.05) == pytest.approx(0.005)  # one step: half the peak
+    assert lr_at(1, 20, 0.01, 0.05) == pytest.approx(0.01)
+    assert [lr_at(s, 100, 1.0, 0.04) for s in range(4)] == pytest.approx([0.2, 0.4, 0.6, 0.8])
+    assert lr_at(4, 100, 1.0, 0.04) == pytest.approx(1.0)
+
+
+def _accumulate_worker(rank, world, data_path, eval_path, out):
+    cfg = TrainConfig(data=data_path, eval_data=eval_path, batch_size=64, chunk_size=16, steps=2, lr=0.02,
+                      buckets=4096, dim=32, max_length=16, progress=False, out=out, device="cpu", accumulate=True)
+    train(cfg, log=lambda s: None)
+    return [json.loads(line)["loss"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line]
+
+
+def test_accumulation_baseline_under_two_processes_is_the_one_process_baseline(tmp_path, data):
+    """Each micro-batch loss ran over the ring (world x chunk rows of negatives), so the baseline
+    depended on the process count (3.77 vs 3.07 at the first step, session 12): now each process's
+    own micro-batches, with the same micro-batches, loss and weights as one process."""
+    from distributed_harness import run_gloo
+
+    one = tmp_path / "one"
+    losses_one = _accumulate_worker(0, 1, str(data[0]), str(data[1]), str(one))
+    two = tmp_path / "two"
+    got = run_gloo(_accumulate_worker, 2, str(data[0]), str(data[1]), str(two))
+    assert got[0] == pytest.approx(losses_one, rel=1e-5)
+    wa, wb = _weights(one), _weights(two)
+    for k in wa:
+        assert ((wa[k] - wb[k]).norm() / wa[k].norm().clamp_min(1e-12)).item() < 1e-4, k

@@ -75,7 +75,7 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     g = p.add_argument_group("optimisation")
     g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help=f"autocast precision (fp16: CUDA only) (default: {d.precision})")
     g.add_argument("--lr", type=float, help="peak learning rate (default: 1e-2 for the bag model, 5e-5 for transformers)")
-    g.add_argument("--weight-decay", type=float, help=f"AdamW weight decay (default: {d.weight_decay})")
+    g.add_argument("--weight-decay", type=float, help=f"AdamW weight decay of the dense parameters (the bag model's sparse table has none) (default: {d.weight_decay})")
     g.add_argument("--warmup", type=float, help=f"fraction of steps of linear warm-up (default: {d.warmup})")
     g.add_argument("--epochs", type=float, help=f"passes over the training set (default: {d.epochs})")
     g.add_argument("--steps", type=int, help="number of optimizer steps (overrides --epochs)")

@@ -294,7 +294,10 @@ def builtin_codesearch(
     if len(train) < 2 or len(held) < 2:
         raise DataError(
             f"the built-in extraction found too few documented functions under {[str(r) for r in roots]} "
-            f"({len(train)} training, {len(held)} held-out pairs); pass --data with your own JSONL"
+            f"({len(train)} training, {len(held)} held-out pairs"
+            + (f" from the --max-pairs {max_pairs} kept" if max_pairs is not None else "")
+            + f", held out by module at --heldout-fraction {heldout_fraction}); raise --max-pairs or "
+            "--heldout-fraction, or pass --data with your own JSONL"
         )
     modules = {p.group for p in pairs}
     return Splits(
@@ -325,11 +328,22 @@ def load_jsonl(path: os.PathLike | str) -> List[Pair]:
                 if not line.strip():
                     continue
                 pairs.append(_parse_line(line, p, lineno))
-        except UnicodeDecodeError as e:
-            raise DataError(f"{p}: not valid UTF-8 ({e})") from None
+        except UnicodeDecodeError:  # its position is within the decoder's read buffer: find the line
+            raise DataError(_utf8_error(p)) from None
     if not pairs:
         raise DataError(f"{p}: the file is empty (expected one JSON object per line)")
     return pairs
+
+
+def _utf8_error(p: Path) -> str:
+    """Where a file's first invalid UTF-8 byte is: ``path:line: ... column``."""
+    with p.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return f"{p}:{lineno}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})"
+    return f"{p}: not valid UTF-8"
 
 
 def _parse_line(line: str, path: Path, lineno: int) -> Pair:
@@ -348,6 +362,12 @@ def _parse_line(line: str, path: Path, lineno: int) -> Pair:
     negs = obj.get("negatives", [])
     if not isinstance(negs, list) or not all(isinstance(n, str) and n.strip() for n in negs):
         raise DataError(f'{where}: field "negatives" must be a list of non-empty strings')
+    for key, text in [("query", obj["query"]), ("positive", obj["positive"])] + [("negatives", n) for n in negs]:
+        try:  # a JSON escape may encode half a surrogate pair ("\ud800"), which no tokenizer takes
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DataError(f'{where}: field "{key}" holds a lone surrogate ({text[e.start]!r} at '
+                            f'character {e.start + 1}), not text') from None
     return Pair(query=obj["query"], positive=obj["positive"], negatives=tuple(negs), group=str(lineno))
 
 
@@ -359,6 +379,8 @@ def jsonl_splits(
     pairs = load_jsonl(path)
     if eval_path is not None:
         train, held = pairs, load_jsonl(eval_path)
+        if len(held) < 2:  # one example ranks first among one: perfect recall, nothing measured
+            raise DataError(f"{eval_path}: the held-out set needs at least 2 examples, got {len(held)}")
     else:
         train, held = split_by_group(pairs, heldout_fraction, seed)
         if len(held) < 2 or len(train) < 2:

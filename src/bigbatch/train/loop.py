@@ -255,10 +255,13 @@ def batch_indices(n: int, batch: int, step: int, seed: int) -> Tensor:
 
 
 def lr_at(step: int, total: int, base: float, warmup: float) -> float:
-    """Linear warm-up over ``warmup * total`` steps, then cosine decay to 0 (stateless in ``step``)."""
-    w = max(1, int(warmup * total)) if warmup > 0 else 0
+    """Linear warm-up over ``w = int(warmup * total)`` steps (``base * (step + 1) / (w + 1)``: the
+    first of them below ``base``; a fraction of a step is none), then cosine decay to 0 (stateless
+    in ``step``). (It was ``max(1, ...)`` steps ending at ``base``: a one-step warm-up ran at the
+    peak rate, so ``--warmup`` under one step did nothing but delay the decay.)"""
+    w = int(warmup * total)
     if step < w:
-        return base * (step + 1) / w
+        return base * (step + 1) / (w + 1)
     t = (step - w) / max(1, total - w)
     return base * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
 
@@ -296,8 +299,9 @@ def make_cached_step(cfg: TrainConfig, model: DualEncoder, loss_fn, scaler) -> C
     return lambda q, k: gc(q, k)
 
 
-def make_accumulated_step(cfg: TrainConfig, model: DualEncoder, loss_fn, device) -> Callable[[Inputs, Inputs], Tensor]:
-    """Gradient accumulation (the baseline): mean of per-micro-batch losses, negatives only within a micro-batch."""
+def make_accumulated_step(cfg: TrainConfig, model: DualEncoder, loss_fn, device, d: "Dist") -> Callable[[Inputs, Inputs], Tensor]:
+    """Gradient accumulation (the baseline): mean of per-micro-batch losses, negatives only within a
+    micro-batch of this process (the returned loss: the mean over ranks)."""
     dtype = PRECISIONS[cfg.precision]
 
     def step(q: Inputs, k: Inputs) -> Tensor:
@@ -311,6 +315,9 @@ def make_accumulated_step(cfg: TrainConfig, model: DualEncoder, loss_fn, device)
                 loss = loss_fn(model(qc), model(kc)) * (qc["input_ids"].shape[0] / b)
             loss.backward()
             total += loss.detach().float()
+        if d.world > 1:
+            dist.all_reduce(total)
+            total /= d.world
         return total.float()
 
     return step
@@ -495,8 +502,10 @@ def train(
     d.barrier()
 
     local_b = cfg.batch_size // d.world
-    loss_fn = make_loss_fn(cfg, model, d, local_b)
-    step_fn = (make_accumulated_step(cfg, model, loss_fn, device) if cfg.accumulate
+    # the accumulation baseline's micro-batch is this process's --chunk-size rows (negatives from
+    # them alone, whatever the process count; gradients and the logged loss averaged over ranks)
+    loss_fn = make_loss_fn(cfg, model, Dist() if cfg.accumulate else d, local_b)
+    step_fn = (make_accumulated_step(cfg, model, loss_fn, device, d) if cfg.accumulate
                else make_cached_step(cfg, model, loss_fn, scaler))
     how = (f"gradient accumulation over micro-batches of {cfg.chunk_size}" if cfg.accumulate else
            f"GradCache chunks of {cfg.chunk_size}" if cfg.chunk_size else f"GradCache, memory budget {cfg.memory_budget}")

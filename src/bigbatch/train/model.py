@@ -68,6 +68,12 @@ class HFEncoder(nn.Module):
         limit = _position_limit(self.model, self.tokenizer)
         if limit is not None and max_length > limit:
             raise ValueError(f"--max-length {max_length} exceeds the {limit} positions of the model in {path}")
+        # the tokenizer's special tokens ([CLS] ... [SEP]) take positions of their own; below them it
+        # does not truncate at all (texts of hundreds of tokens then overran the positions)
+        specials = self.tokenizer.num_special_tokens_to_add(pair=False)
+        if max_length <= specials:
+            raise ValueError(f"--max-length {max_length} leaves no room for text: this model's tokenizer adds "
+                             f"{specials} special tokens; use at least {specials + 1}")
         self.max_length = max_length
         self.config = {"kind": "hf", "path": str(path), "max_length": max_length}
 
