@@ -105,3 +105,36 @@ def test_a_cached_backward_inside_parametrize_cached_is_refused_before_any_gradi
         with parametrize.cached(), pytest.raises(RuntimeError, match="parametrize.cached"):
             fx(rx)
     assert all(p.grad is None for p in m.parameters())
+
+
+def test_a_head_is_checked_like_the_model_and_hints_still_read_the_encoder():
+    """A DDP(static_graph=True) head crashed inside DDP instead of the documented refusal, and the
+    dict-input hint read the wrapper's (*args, **kwargs) signature (session 12, review)."""
+    from bigbatch.gradcache.chunking import call_model
+    from bigbatch.gradcache.head import WithHead
+
+    class FakeStaticDDP(nn.Module):  # what check_not_fsdp reads of a DDP module, without a process group
+        static_graph = True
+
+    import bigbatch.gradcache.wrappers as wrappers
+
+    real = wrappers.ddp_modules
+    wrappers.ddp_modules = lambda m: [x for x in m.modules() if isinstance(x, FakeStaticDDP)]
+    try:
+        with pytest.raises(ValueError, match="static_graph"):
+            GradCache(encoder(), CHUNK, clip, get_rep_fn=nn.Sequential(FakeStaticDDP(), nn.Identity()))
+        with pytest.raises(ValueError, match="static_graph"):
+            cached_encode(encoder(), batch()[0], CHUNK, get_rep_fn=nn.Sequential(FakeStaticDDP(), nn.Identity()))
+    finally:
+        wrappers.ddp_modules = real
+
+    class TakesADict(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 8).to(F64)
+
+        def forward(self, features):
+            return self.lin(features["x"])
+
+    with pytest.raises(TypeError, match=r"wrapped as \[inputs\]"):
+        call_model(WithHead(TakesADict(), nn.Identity()), {"x": batch()[0]})

@@ -557,6 +557,7 @@ def test_warm_up_of_under_one_step_is_none_and_one_step_starts_below_the_peak():
     assert lr_at(1, 20, 0.01, 0.05) == pytest.approx(0.01)
     assert [lr_at(s, 100, 1.0, 0.04) for s in range(4)] == pytest.approx([0.2, 0.4, 0.6, 0.8])
     assert lr_at(4, 100, 1.0, 0.04) == pytest.approx(1.0)
+    assert lr_at(28, 100, 1.0, 0.29) < 1.0 == pytest.approx(lr_at(29, 100, 1.0, 0.29))  # 0.29 * 100 = 28.99999...
 
 
 def _accumulate_worker(rank, world, data_path, eval_path, out):

@@ -235,6 +235,8 @@ def call_model(model: nn.Module, x: Any) -> Any:
 def _required_not_in(model: nn.Module, x: Mapping) -> List[str]:
     """The required arguments of ``model``'s forward that ``x`` has no key for (a call
     ``model(**x)`` cannot fill them)."""
+    inner = getattr(model, "bigbatch_encoder", None)  # a WithHead (head.py): the encoder takes the input
+    model = inner if isinstance(inner, nn.Module) else model
     try:
         params = inspect.signature(model.forward).parameters.values()
     except (TypeError, ValueError):

@@ -151,8 +151,8 @@ def cached_encode(
     if not isinstance(model, nn.Module) or is_model_list(model):
         raise TypeError(f"model must be an nn.Module with a forward (one encoder per call), got {type(model).__name__}")
     check_callables(get_rep_fn=get_rep_fn, split_input_fn=split_input_fn)
-    check_not_fsdp(model)
     model, get_rep_fn = attach_head(model, get_rep_fn)  # a module get_rep_fn: tracked as part of the model
+    check_not_fsdp(model)
     check_options(autocast_dtype, None, ddp_sync)
     device = model_device(model, inputs)
     if autocast_dtype is None and torch.is_autocast_enabled(device.type):

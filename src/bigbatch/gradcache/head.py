@@ -24,6 +24,11 @@ class WithHead(nn.Module):
         self.model = model
         self.head = head
 
+    @property
+    def bigbatch_encoder(self) -> nn.Module:
+        """The module that takes the input (for error hints that read its signature)."""
+        return self.model
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.head(self.model(*args, **kwargs))
 

@@ -259,7 +259,7 @@ def lr_at(step: int, total: int, base: float, warmup: float) -> float:
     first of them below ``base``; a fraction of a step is none), then cosine decay to 0 (stateless
     in ``step``). (It was ``max(1, ...)`` steps ending at ``base``: a one-step warm-up ran at the
     peak rate, so ``--warmup`` under one step did nothing but delay the decay.)"""
-    w = int(warmup * total)
+    w = int(round(warmup * total, 9))  # 0.29 * 100 is 28.999999999999996 in floating point
     if step < w:
         return base * (step + 1) / (w + 1)
     t = (step - w) / max(1, total - w)
