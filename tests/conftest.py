@@ -10,6 +10,7 @@
 
 import importlib.util
 import os
+import signal
 
 import torch
 
@@ -29,6 +30,10 @@ _CI_REQUIRED = ("triton", "hypothesis", "transformers", "sentence_transformers",
 
 
 def pytest_configure(config):
+    # the Ctrl-C tests need Python's own SIGINT handler; a shell starts background jobs (`cmd &`)
+    # with SIGINT ignored, which Python then keeps
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         missing = [m for m in _CI_REQUIRED if importlib.util.find_spec(m) is None]
         if missing:

@@ -45,7 +45,7 @@ class AgreedStop:
     ``torchrun`` forwards a SIGINT to every worker, and each would take its ``KeyboardInterrupt``
     at its own point: one inside the step's ring (a collective), another already in the save's
     barrier, so the two meet different collectives and the run hangs or aborts without saving (3
-    of 14 trials in session 12). Inside this context a SIGINT only sets a flag; :meth:`requested`
+    of 14 trials in session 12). Once installed, a SIGINT only sets a flag; :meth:`requested`
     (one all_reduce of one number, at each step boundary) tells every rank whether any was
     interrupted, so all of them stop at the same boundary and save it. Further SIGINTs change
     nothing (raising on one rank would bring back the mismatched collectives; a rank blocked in a
@@ -58,12 +58,14 @@ class AgreedStop:
         self.flag = False
         self._previous = None
 
-    def __enter__(self) -> "AgreedStop":
+    def install(self) -> "AgreedStop":
+        """Take over SIGINT (several processes, main thread only); returns ``self``."""
         if self.world > 1 and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._on_sigint)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def remove(self) -> None:
+        """Give SIGINT back to the handler before :meth:`install` (idempotent)."""
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None

@@ -547,9 +547,8 @@ def train(
     step = start
     step_rng = rng_state()
     t_run = time.perf_counter()
-    stop = AgreedStop(d.world, device)
+    stop = AgreedStop(d.world, device).install()
     try:
-        stop.__enter__()
         while step < total and (stop_after is None or step < stop_after):
             if stop.requested():  # several processes: all stop at this boundary (interrupt.py)
                 raise KeyboardInterrupt
@@ -608,7 +607,7 @@ def train(
             _remove_outputs(out)
         raise
     except KeyboardInterrupt:
-        stop.__exit__()
+        stop.remove()  # a Ctrl-C during the save below ends it, as with one process
         if bar is not None:
             bar.close()
         if cfg.save:
@@ -616,7 +615,7 @@ def train(
             _save(out, step, model, opt, scaler, cfg, d, step_rng)
         raise
     finally:
-        stop.__exit__()
+        stop.remove()
     if bar is not None:
         bar.close()
 
