@@ -582,3 +582,22 @@ def test_accumulation_baseline_under_two_processes_is_the_one_process_baseline(t
     wa, wb = _weights(one), _weights(two)
     for k in wa:
         assert ((wa[k] - wb[k]).norm() / wa[k].norm().clamp_min(1e-12)).item() < 1e-4, k
+
+
+def test_options_without_effect_are_named_and_never_clash_on_resume(tmp_path, data):
+    """--max-pairs with --data FILE, --heldout-fraction with --eval-data, --dim/--buckets with a
+    Hugging Face model were ignored without a word, yet --resume refused a changed value; an --lr
+    equal to the model's default rate clashed with the saved None (session 12)."""
+    base = dict(data=str(data[0]), eval_data=str(data[1]), batch_size=64, chunk_size=16, steps=3, buckets=4096,
+                dim=32, max_length=16, progress=False, out=str(tmp_path / "run"))
+    said = []
+    part = train(TrainConfig(**base, max_pairs=5, heldout_fraction=0.3), stop_after=1, log=said.append,
+                 explicit=["data", "eval_data", "max_pairs", "heldout_fraction"])
+    assert not part["finished"]
+    notes = [s for s in said if s.startswith("note:")]
+    assert any("--max-pairs has no effect" in s for s in notes) and any("--heldout-fraction" in s for s in notes)
+    resumed = train(TrainConfig(out=str(tmp_path / "run"), max_pairs=9, heldout_fraction=0.1, lr=1e-2), resume=True,
+                    explicit=["out", "max_pairs", "heldout_fraction", "lr"], log=lambda s: None)
+    assert resumed["finished"]
+    with pytest.raises(RunError, match="--lr 0.5"):
+        train(TrainConfig(out=str(tmp_path / "run"), lr=0.5), resume=True, explicit=["out", "lr"], log=lambda s: None)

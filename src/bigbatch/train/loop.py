@@ -85,6 +85,18 @@ class TrainConfig:
             return self.lr
         return 1e-2 if self.model == "bag" else 5e-5
 
+    def without_effect(self) -> Dict[str, str]:
+        """Options that this configuration does not use, with the reason (a note when given; never
+        a --resume clash)."""
+        out = {}
+        if self.data != "builtin":
+            out["max_pairs"] = "caps only the built-in data, not --data FILE"
+        if self.eval_data is not None:
+            out["heldout_fraction"] = "holds out part of --data only without --eval-data"
+        if self.model != "bag":
+            out["dim"] = out["buckets"] = "size only the built-in bag model"
+        return out
+
     def to_json(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -378,10 +390,17 @@ def merged_config(cfg: TrainConfig, out: Path, explicit: Sequence[str]) -> Train
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     # paths saved relative by an earlier version are read from the working directory, as then
     merged = with_absolute_paths(TrainConfig(**{k: v for k, v in saved.items() if k in known}))
+    unused = merged.without_effect()
+
+    def differs(k: str) -> bool:
+        if k == "lr":  # None is the model's default rate: the same run when that is what is given
+            return cfg.peak_lr() != merged.peak_lr()
+        return getattr(cfg, k) != getattr(merged, k)
+
     clashes = [
         f"--{k.replace('_', '-')} {getattr(cfg, k)!r} (saved: {saved.get(k)!r})"
         for k in explicit
-        if k in known and k not in TrainConfig.RESUMABLE_OVERRIDES and getattr(cfg, k) != getattr(merged, k)
+        if k in known and k not in TrainConfig.RESUMABLE_OVERRIDES and k not in unused and differs(k)
     ]
     if clashes:
         raise RunError("--resume continues the saved run exactly; these options differ from it: " + "; ".join(clashes))
@@ -455,6 +474,9 @@ def train(
     if cfg.batch_size % d.world:
         raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes ({d.world})")
     say = log if d.rank == 0 else (lambda s: None)
+    for k, why in cfg.without_effect().items():
+        if k in explicit:
+            say(f"note: --{k.replace('_', '-')} has no effect here: it {why}")
 
     resolve_model_path(cfg.model)  # a bad --model fails before any work
     t_data = time.perf_counter()
