@@ -9,7 +9,8 @@ stored as ``nn.Parameter(..., requires_grad=False)`` and updated in forward thro
 Up to ``WATCH_PARAM_BYTES`` (64 MiB) of them in all are watched, and so are the buffers when
 they are not all recorded (over ``RECORD_ALL_BYTES``; a ``.data`` write bumps no version): after
 each model's first chunk they are compared with a snapshot taken before the step's first forward
-(one host sync per device), and those it changed are recorded and restored like buffers from then
+(a model's buffers not seen changing by then: taken again at its own first forward, after its DDP
+broadcast; one host sync per device), and those it changed are recorded and restored like buffers from then
 on (a copy per chunk, held until pass 2); the parameters' other snapshots are dropped. More
 frozen parameters than that (a frozen tower) are taken for weights that a forward does not write.
 State first written through ``.data`` by a later chunk than its model's first is not seen (keep it
@@ -192,6 +193,7 @@ class BufferStates:
         self.initial: List[Any] = [PENDING] * len(self.slots)
         self._started: set = set()  # models whose first forward has (re)taken their buffers' initial values
         self._first_taken = False
+        self._just_taken: set = set()  # the slots whose initial values this forward's record took
         self.changing: Dict[int, None] = {}  # slot indices, in the order they were seen changing
         self._marks: List[Tuple[Any, int]] = []
 
@@ -226,6 +228,7 @@ class BufferStates:
             return {i: _copy(_get(self.slots[i])) for i in {*self._recorded(), *take}}
         for i in take:
             self.initial[i] = _copy(_get(self.slots[i]))
+        self._just_taken = set(take)
         self._started |= {id(m) for m in models}
         self._first_taken = True
         # a snapshot is never written into (restore copies from it): the record may share it
@@ -242,6 +245,7 @@ class BufferStates:
         ``initial``)."""
         for i in self._to_take(models):  # no in-forward record was taken: the provisional one's
             self.initial[i] = record.get(i, ABSENT) if record else ABSENT
+        self._just_taken = set()
         self._started |= {id(m) for m in models}
         self._first_taken = True
         if record is not None and self.params and any(id(m) not in self._watched_models for m in models):
@@ -295,20 +299,45 @@ class BufferStates:
                     for record in self._first_records:
                         record.pop(i, None)
 
-    def restore(self, record: Dict[int, Any]) -> None:
-        """Put the buffers back to their values before the pass-1 forward of ``record``'s chunk."""
+    def _within(self, module: nn.Module) -> List[int]:
+        """The slots of ``module``'s submodules."""
+        subs = {id(m) for m in module.modules()}
+        return [i for i, slot in enumerate(self.slots) if id(slot[0]) in subs]
+
+    def retake(self, record: Dict[int, Any], module: nn.Module) -> None:
+        """Where a DDP module inside a model starts (after its buffer broadcast): its buffers'
+        values in ``record``, and in ``initial`` where this forward took them, are the ones now."""
+        for i in self._within(module):
+            if self.slots[i][1] != "_buffers":
+                continue
+            if i in self._just_taken:
+                self.initial[i] = _copy(_get(self.slots[i]))
+                if i in record:
+                    record[i] = self.initial[i]
+            elif i in record:
+                record[i] = _copy(_get(self.slots[i]))
+
+    def restore(self, record: Dict[int, Any], within: Optional[nn.Module] = None) -> None:
+        """Put the buffers back to their values before the pass-1 forward of ``record``'s chunk
+        (``within``: only those of that module's submodules)."""
+        mine = None if within is None else set(self._within(within))
         for i in self._recorded():
+            if mine is not None and i not in mine:
+                continue
             value = record[i] if i in record else self.initial[i]
             if value is not PENDING:  # (never: restore follows the step's first forward)
                 _put(self.slots[i], value, self.originals[i])
 
 
 @contextlib.contextmanager
-def _at_forward_start(models: Sequence[nn.Module], fn: Callable[[], None]) -> Iterator[None]:
-    """Within the block, call ``fn`` once where the first of ``models`` starts its own forward: a
-    forward pre-hook; on the module a DDP wraps (the model itself, or one inside a per-input
-    wrapper), so after DDP's buffer broadcast (which runs in the first forward after a synced
-    backward; a wrapper's hook ran before it, and its re-runs read rank 0's values: 0.28 off)."""
+def _at_forward_start(models: Sequence[nn.Module], fn: Callable[[], None],
+                      inner: Callable[[nn.Module], None]) -> Iterator[None]:
+    """Within the block, call ``fn`` once where the first of ``models`` starts its own forward (a
+    forward pre-hook; on the module a DDP model wraps, so after its buffer broadcast, which runs in
+    the first forward after a synced backward), and ``inner(module)`` where the module of a DDP
+    *inside* a model starts (a per-input wrapper around a DDP model, a DDP head after an encoder):
+    its broadcast happens there, after the model's start, and only its own buffers change (taking
+    everything there instead let modules run before it record state they had already updated)."""
     done = [False]
 
     def hook(mod: nn.Module, args: Any) -> None:
@@ -317,8 +346,11 @@ def _at_forward_start(models: Sequence[nn.Module], fn: Callable[[], None]) -> It
             fn()
 
     # a TorchScript module takes no hooks: its record is the one taken just before its forward
-    targets = [ddps[0].module if ddps else m for m in models for ddps in [ddp_modules(m)]]
-    with forward_pre_hooks([(m, hook, True) for m in targets if not isinstance(m, torch.jit.ScriptModule)]):
+    targets = [m.module if is_ddp(m) else m for m in models]
+    nested = {id(d.module): d.module for m in models for d in ddp_modules(m) if d is not m}
+    hooks = [(m, hook, True) for m in targets if not isinstance(m, torch.jit.ScriptModule)]
+    hooks += [(sub, lambda mod, args: inner(mod), True) for sub in nested.values()]
+    with forward_pre_hooks(hooks):
         yield
 
 
@@ -327,7 +359,8 @@ def recording(states: BufferStates, models: Sequence[nn.Module]) -> Iterator[Dic
     """Around a pass-1 forward: yields a dict whose ``"record"`` (the chunk's) is taken on entry
     and taken again where the forward starts (what it reads); closed after the block."""
     box: Dict[str, Any] = {"record": states.before(provisional=True, models=models)}
-    with _at_forward_start(models, lambda: box.update(record=states.before(models=models))):
+    with _at_forward_start(models, lambda: box.update(record=states.before(models=models)),
+                           lambda sub: states.retake(box["record"], sub)):
         try:
             yield box
         finally:
@@ -340,7 +373,7 @@ def restoring(states: BufferStates, record: Dict[int, Any], models: Sequence[nn.
     runs no hooks) and again where its forward starts (a DDP broadcast there would otherwise
     replace this rank's record with rank 0's). Both copy only the recorded buffers."""
     states.restore(record)
-    with _at_forward_start(models, lambda: states.restore(record)):
+    with _at_forward_start(models, lambda: states.restore(record), lambda sub: states.restore(record, within=sub)):
         yield
 
 

@@ -47,8 +47,8 @@ class AgreedStop:
     barrier, so the two meet different collectives and the run hangs or aborts without saving (3
     of 14 trials in session 12). Once installed, a SIGINT only sets a flag; :meth:`requested`
     (one all_reduce of one number, at each step boundary) tells every rank whether any was
-    interrupted, so all of them stop at the same boundary and save it. Further SIGINTs change
-    nothing (raising on one rank would bring back the mismatched collectives; a rank blocked in a
+    interrupted, so all of them stop at the same boundary and save it. Further SIGINTs before the
+    save change nothing (raising on one rank would bring back the mismatched collectives; a rank blocked in a
     collective could not run a handler anyway): a run whose peer is gone ends by torchrun's own
     escalation (SIGTERM, SIGKILL) or a kill. With one process, or outside the main thread, nothing
     is installed and :meth:`requested` is ``False``."""
