@@ -158,6 +158,32 @@ def test_the_probe_cache_tells_get_rep_fns_apart():
 
 
 HEAD = nn.Linear(2, 2)
+STEP = 0
+
+
+def test_a_global_step_counter_does_not_re_probe_every_step():
+    """A get_rep_fn reading a global int (a schedule's step) keyed the probe by its value: two extra
+    forward + backward passes every step (session 12, final review); numpy numbers likewise."""
+    import numpy as np
+
+    global STEP
+
+    def scaled(out):
+        return out * min(1.0, (STEP + 1) / 10)
+
+    keys = set()
+    for STEP in range(4):
+        keys.add(callable_key(scaled))
+    assert len(keys) == 1
+
+    def times(s):
+        return lambda o: o * s
+
+    def cut(k):
+        return lambda o: o[:, :k]
+
+    assert callable_key(times(np.float32(0.5))) == callable_key(times(np.float32(2)))
+    assert callable_key(cut(np.int64(4))) != callable_key(cut(np.int64(8)))
 
 
 def test_callable_key_is_stable_for_a_lambda_rewritten_each_step():

@@ -32,6 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Set, Tuple, Union
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -251,21 +252,25 @@ def _callable_key(fn: Any, depth: int) -> Tuple:
     kwdefaults = tuple(sorted((k, _fingerprint(v, depth + 1)) for k, v in (func.__kwdefaults__ or {}).items()))
     # the globals named by get_rep_fn's own code (co_names also lists attribute names: a global of
     # that name is then fingerprinted for nothing, harmlessly); not those of functions it calls
-    names = tuple((n, _fingerprint(func.__globals__[n], depth + 1)) for n in func.__code__.co_names
+    names = tuple((n, _fingerprint(func.__globals__[n], depth + 1, numbers=False)) for n in func.__code__.co_names
                   if n in func.__globals__) if depth == 0 else ()
     owner = _fingerprint(fn.__self__, depth + 1) if isinstance(fn, types.MethodType) else None
     return ("code", func.__code__, cells, defaults, kwdefaults, names, owner)
 
 
-def _fingerprint(obj: Any, depth: int) -> Any:
+def _fingerprint(obj: Any, depth: int, numbers: bool = True) -> Any:
     """A hashable stand-in for ``obj`` in :func:`callable_key`: numbers that cannot size anything
-    (floats) by type; ints, strings and bools by value; tensors by shape, dtype, device and
-    requires_grad; functions and partials by their own key; small lists, tuples and dicts by their
-    items; any other hashable object by a weak reference (its identity while it lives: a new object
-    at a freed one's address is not taken for it), else by ``id``."""
-    if obj is None or isinstance(obj, (float, complex)):
+    (floats, numpy's included) by type; ints (a slice width) by value where ``numbers`` (closure
+    cells, defaults, partial arguments), by type for a global (a step counter there would re-probe
+    every step); strings and bools by value; tensors by shape, dtype, device and requires_grad;
+    functions and partials by their own key; small lists, tuples and dicts by their items; any other
+    hashable object by a weak reference (its identity while it lives: a new object at a freed one's
+    address is not taken for it), else by ``id``."""
+    if obj is None or isinstance(obj, (float, complex, np.floating)):
         return type(obj).__name__
-    if isinstance(obj, (bool, int, str, bytes, torch.dtype, torch.device)):
+    if isinstance(obj, (int, np.integer)) and not isinstance(obj, bool):
+        return (type(obj).__name__, int(obj)) if numbers else type(obj).__name__
+    if isinstance(obj, (bool, str, bytes, torch.dtype, torch.device)):
         return (type(obj).__name__, obj)
     if isinstance(obj, Tensor):
         return ("tensor", tuple(obj.shape), obj.dtype, obj.device, obj.requires_grad)

@@ -213,7 +213,8 @@ class BufferStates:
         """The slots whose ``initial`` value the first forward of ``models`` takes (see __init__)."""
         if not self._first_taken:  # the step's first forward: every slot
             return list(range(len(self.slots)))
-        fresh = [m for m in models if id(m) not in self._started]
+        # only a model holding a DDP module needs it (its broadcast); others' buffers are as taken
+        fresh = [m for m in models if id(m) not in self._started and ddp_modules(m)]
         if not fresh:
             return []
         return [i for i in self._owned_by(fresh) if self.slots[i][1] == "_buffers" and i not in self.changing]

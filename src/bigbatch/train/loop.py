@@ -267,8 +267,8 @@ def batch_indices(n: int, batch: int, step: int, seed: int) -> Tensor:
 
 
 def lr_at(step: int, total: int, base: float, warmup: float) -> float:
-    """Linear warm-up over ``w = int(warmup * total)`` steps (``base * (step + 1) / (w + 1)``: the
-    first of them below ``base``; a fraction of a step is none), then cosine decay to 0 (stateless
+    """Linear warm-up over ``w = int(warmup * total)`` steps (``base * (step + 1) / (w + 1)``, all
+    below ``base``; a fraction of a step is none), then cosine decay to 0 (stateless
     in ``step``). (It was ``max(1, ...)`` steps ending at ``base``: a one-step warm-up ran at the
     peak rate, so ``--warmup`` under one step did nothing but delay the decay.)"""
     w = int(round(warmup * total, 9))  # 0.29 * 100 is 28.999999999999996 in floating point
