@@ -46,6 +46,12 @@ def _identity(x: Any) -> Any:
     return x
 
 
+def _check_not_fsdp(models: Sequence[nn.Module], get_rep_fn: Any) -> None:
+    """The models, and a module ``get_rep_fn`` (it runs as part of each model: head.py)."""
+    for m in list(models) + ([get_rep_fn] if isinstance(get_rep_fn, nn.Module) else []):
+        check_not_fsdp(m)
+
+
 def check_callables(**fns: Any) -> None:
     """Each of ``fns`` (name -> value) is ``None`` or callable: caught when the object is built,
     naming the argument, rather than as "'int' object is not callable" in the first step."""
@@ -174,8 +180,7 @@ class GradCache:
         self.models: List[nn.Module] = [models] if single else list(models)
         if not self.models or not all(isinstance(m, nn.Module) for m in self.models):
             raise TypeError("models must be an nn.Module or a non-empty list of nn.Modules")
-        for m in self.models + ([get_rep_fn] if isinstance(get_rep_fn, nn.Module) else []):
-            check_not_fsdp(m)  # a module get_rep_fn runs as part of each model (head.py)
+        _check_not_fsdp(self.models, get_rep_fn)
         if loss_fn is None or not callable(loss_fn):
             raise TypeError("loss_fn must be a callable (*reps, **loss_kwargs) -> scalar tensor")
         check_callables(split_input_fn=split_input_fn, get_rep_fn=get_rep_fn)
@@ -297,8 +302,7 @@ class GradCache:
                                "torch.no_grad(); for a loss without gradients, encode with the models under "
                                "no_grad and call the loss yourself")
         check_not_parametrize_cached("GradCache", self.models)
-        for m in self.models + ([self.get_rep_fn] if isinstance(self.get_rep_fn, nn.Module) else []):
-            check_not_fsdp(m)  # again per step: fully_shard() converts a module in place, after __init__
+        _check_not_fsdp(self.models, self.get_rep_fn)  # again per step: fully_shard() converts in place
         ddp_sync = self.ddp_sync if no_sync_except_last is None else ("last_chunk" if no_sync_except_last else "every_chunk")
         models = self._models_for(len(inputs))
         # A model is re-run if a parameter or an input tensor of it requires grad; a frozen one
