@@ -306,3 +306,29 @@ def test_the_exported_ring_entry_points_check_their_inputs_on_every_rank():
         assert "reduction" in bad_reduction and "avg" in bad_reduction, bad_reduction
         assert "scale" in bad_scale, bad_scale
         assert diff < 1e-12
+
+
+def _ring_of_one_checks(rank: int, world: int):
+    from bigbatch.distributed import Ring, gather_with_grad, offsets
+
+    ring = Ring.of(dist.group.WORLD)
+    out = []
+    for case in (lambda: ring.shift([torch.ones(1, 3)], [torch.empty(4, 3)]),
+                 lambda: ring.shift([torch.tensor([1.7])], [torch.empty(1, dtype=torch.long)]),
+                 lambda: gather_with_grad(torch.ones(2, 3), ring, [5]),
+                 lambda: offsets([2, -3])):
+        try:
+            case()
+            out.append("no error")
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_the_exported_ring_primitives_refuse_what_a_real_ring_would():
+    """On a ring of one, shift broadcast and cast into a mismatched buffer and gather_with_grad
+    ignored a wrong sizes list (a real ring fails there); offsets took negative sizes (session 12)."""
+    shape, dtype, sizes, negative = run_gloo(_ring_of_one_checks, 1, timeout=120.0)[0]
+    assert "shape and dtype of send[0]" in shape and "shape and dtype of send[0]" in dtype
+    assert "sizes[0] must list every rank's rows" in sizes
+    assert "must be >= 0" in negative

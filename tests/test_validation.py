@@ -189,3 +189,12 @@ def test_one_element_scale_and_bias_of_any_shape(shape):
     assert bigbatch.clip_loss(q, k, s).item() == pytest.approx(bigbatch.clip_loss(q, k, 3.0).item(), rel=1e-12)
     assert bigbatch.siglip_loss(q, k, s, b).item() == pytest.approx(bigbatch.siglip_loss(q, k, 3.0, -1.0).item(), rel=1e-12)
     assert bigbatch.SigLipLoss()(q, k, s, b).item() == pytest.approx(bigbatch.siglip_loss(q, k, 3.0, -1.0).item(), rel=1e-12)
+
+
+def test_reference_infonce_refuses_an_unknown_reduction():
+    """Any other name fell through to the per-row losses (session 12)."""
+    from bigbatch import reference
+
+    q = torch.randn(4, 3)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        reference.infonce_loss(q, q, 2.0, reduction="avg")

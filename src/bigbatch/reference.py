@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._validate import check_reduction
 from .backends.base import compute_dtype
 
 Scalar = Union[float, Tensor]
@@ -35,6 +36,7 @@ def infonce_per_row(q: Tensor, k: Tensor, scale: Scalar, labels: Optional[Tensor
 def infonce_loss(
     q: Tensor, k: Tensor, scale: Scalar, labels: Optional[Tensor] = None, reduction: str = "mean"
 ) -> Tensor:
+    check_reduction(reduction)  # an unknown name fell through to the per-row losses
     per_row = infonce_per_row(q, k, scale, labels)
     return {"mean": per_row.mean, "sum": per_row.sum}.get(reduction, lambda: per_row)()
 

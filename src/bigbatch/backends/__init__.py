@@ -74,6 +74,8 @@ def resolve_backend(
     :class:`TileBackend`, "sigmoid": a :class:`SigmoidBackend`) usable on ``device`` for features of
     ``dtype`` when given (the fused kernels take half and single precision: ``"auto"`` keeps float64
     on the torch tiles, ``"triton"`` refuses it)."""
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {tuple(_OPS)}, got {op!r}")
     protocol, what, torch_cls = _OPS[op]
     if isinstance(backend, type):  # the class passes the Protocol check; its methods are unbound
         raise TypeError(f"backend must be one of {BACKEND_NAMES} or {what}, got the class "

@@ -44,6 +44,10 @@ class _GatherWithGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ring: Ring, sizes: Sequence[Optional[Sequence[int]]], dtype: Optional[torch.dtype],  # type: ignore[override]
                 *xs: Tensor):
+        for i, (x, n) in enumerate(zip(xs, sizes)):  # (a ring of one would not notice a wrong one)
+            if n is not None and (len(n) != ring.world or int(n[ring.rank]) != x.shape[0]):
+                raise ValueError(f"sizes[{i}] must list every rank's rows ({ring.world} entries, this rank's "
+                                 f"{x.shape[0]}), got {list(n)}")
         ctx.ring, ctx.sizes = ring, [None if n is None else list(n) for n in sizes]
         ctx.dtypes = [x.dtype for x in xs]
 

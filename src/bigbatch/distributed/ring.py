@@ -131,8 +131,11 @@ class Ring:
             raise ValueError(f"Ring.shift on a ring of one: {len(send)} tensors to send but {len(recv)} to receive")
         send = [t.contiguous() for t in send]
         recv = list(recv)
-        if self.world == 1:
-            for s, r in zip(send, recv):
+        if self.world == 1:  # as a real ring refuses other sizes: no broadcasting, no casting copy
+            for i, (s, r) in enumerate(zip(send, recv)):
+                if s.shape != r.shape or s.dtype != r.dtype:
+                    raise ValueError(f"Ring.shift: recv[{i}] must have the shape and dtype of send[{i}] "
+                                     f"({tuple(s.shape)}, {s.dtype}), got ({tuple(r.shape)}, {r.dtype})")
                 r.copy_(s)
             return Pending([], [], recv)
         ops = [dist.P2POp(dist.isend, s, self.next_peer, self.group) for s in send]
@@ -171,6 +174,8 @@ def offsets(sizes: Sequence[int]) -> List[int]:
     """Start of each shard in the global batch (rank order), plus the total at the end."""
     out = [0]
     for s in sizes:
+        if int(s) < 0:
+            raise ValueError(f"offsets: shard sizes must be >= 0, got {list(sizes)}")
         out.append(out[-1] + int(s))
     return out
 
