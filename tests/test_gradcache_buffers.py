@@ -367,9 +367,14 @@ def _ddp_buffer_worker(rank: int, world: int, api: str, record_all: bool):
 @pytest.mark.parametrize("api", ["gradcache", "cached_encode", "gradcache_wrapped"])
 @pytest.mark.parametrize("record_all", [True, False])
 def test_ddp_broadcast_buffers_are_what_a_rerun_reads(api, record_all):
+    _exact_on_two_ranks(_ddp_buffer_worker, api, record_all)
+
+
+def _exact_on_two_ranks(worker, *args) -> None:
+    """``worker`` returns each step's error against the reference on its rank."""
     from distributed_harness import run_gloo
 
-    for errs in run_gloo(_ddp_buffer_worker, 2, api, record_all):
+    for errs in run_gloo(worker, 2, *args):
         assert max(errs) < 1e-10, errs
 
 
@@ -430,10 +435,7 @@ def _ddp_two_towers_worker(rank: int, world: int, kind: str, record_all: bool):
 @pytest.mark.parametrize("kind", ["data", "inplace", "read"])
 @pytest.mark.parametrize("record_all", [True, False])
 def test_ddp_two_towers_rerun_what_their_own_broadcast_gave(kind, record_all):
-    from distributed_harness import run_gloo
-
-    for errs in run_gloo(_ddp_two_towers_worker, 2, kind, record_all):
-        assert max(errs) < 1e-10, errs
+    _exact_on_two_ranks(_ddp_two_towers_worker, kind, record_all)
 
 
 class _Holder(nn.Module):

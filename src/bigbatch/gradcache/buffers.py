@@ -202,22 +202,18 @@ class BufferStates:
         return [(buf, buf._version if isinstance(buf, Tensor) and not is_lazy(buf) else -1)
                 for buf in map(_get, self.slots)]
 
-    def _owned_by(self, models: Sequence[nn.Module]) -> List[int]:
-        """The slots of the submodules of ``models`` (of every model when none is named)."""
-        if not models:
-            return list(range(len(self.slots)))
-        subs = set().union(*(self._owned.get(id(m), set()) for m in models))
-        return [i for i, slot in enumerate(self.slots) if id(slot[0]) in subs]
+    def _buffers_of(self, model_ids: Iterable[int]) -> List[int]:
+        """The buffer slots of the submodules of the models with these ids."""
+        subs = set().union(*(self._owned.get(m, set()) for m in model_ids))
+        return [i for i, (mod, store, _) in enumerate(self.slots) if store == "_buffers" and id(mod) in subs]
 
     def _to_take(self, models: Sequence[nn.Module]) -> List[int]:
         """The slots whose ``initial`` value the first forward of ``models`` takes (see __init__)."""
         if not self._first_taken:  # the step's first forward: every slot
             return list(range(len(self.slots)))
         # only a model holding a DDP module needs it (its broadcast); others' buffers are as taken
-        fresh = [m for m in models if id(m) not in self._started and ddp_modules(m)]
-        if not fresh:
-            return []
-        return [i for i in self._owned_by(fresh) if self.slots[i][1] == "_buffers" and i not in self.changing]
+        fresh = [id(m) for m in models if id(m) not in self._started and ddp_modules(m)]
+        return [i for i in self._buffers_of(fresh) if i not in self.changing] if fresh else []
 
     def before(self, provisional: bool = False, models: Sequence[nn.Module] = ()) -> Dict[int, Any]:
         """The record of the chunk of ``models`` whose forward starts now. ``provisional``: taken
@@ -277,10 +273,8 @@ class BufferStates:
         self._watched_models |= fresh
         check = [k for k, pending in enumerate(self._pending) if pending & fresh]
         slots = [i for k in check for i in self._groups[k]]
-        subs = set().union(*(self._owned.get(m, set()) for m in fresh))
-        quiet = [i for i, (mod, store, _) in enumerate(self.slots)
-                 if large and store == "_buffers" and i not in self.changing and id(mod) in subs
-                 and isinstance(self.initial[i], Tensor)]
+        quiet = [i for i in self._buffers_of(fresh) if i not in self.changing
+                 and isinstance(self.initial[i], Tensor)] if large else []
         flags = _changed([(_get(self.slots[i]), self.initial[i]) for i in slots + quiet])
         changed = dict(zip(slots, flags))
         for i, written in zip(quiet, flags[len(slots):]):
