@@ -711,7 +711,7 @@ def test_cuda_probe_discards_a_first_unmeasured_run(monkeypatch):
 
     calls = []
 
-    def fake_measure(model, x, get_rep, autocast_ctx, params, device, by_grad=True):
+    def fake_measure(model, x, get_rep, autocast_ctx, params, device, by_grad=True, dedup_saved=True):
         rows = x.shape[0]
         one_time = 1000.0 if not calls else 0.0
         calls.append(rows)
