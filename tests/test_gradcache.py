@@ -711,7 +711,7 @@ def test_cuda_probe_discards_a_first_unmeasured_run(monkeypatch):
 
     calls = []
 
-    def fake_measure(model, x, get_rep, autocast_ctx, params, device, by_grad=True, dedup_saved=True):
+    def fake_measure(model, x, get_rep, autocast_ctx, params, device, by_grad=True):
         rows = x.shape[0]
         one_time = 1000.0 if not calls else 0.0
         calls.append(rows)
@@ -728,6 +728,26 @@ def test_cuda_probe_discards_a_first_unmeasured_run(monkeypatch):
     monkeypatch.setattr(budget, "model_device", lambda m, x=None: torch.device("cpu"))
     budget.ChunkProber().cost(nn.Linear(6, 8), torch.zeros(100, 6), lambda o: o, contextlib.nullcontext, None)
     assert calls == [16, 48]  # the CPU estimate (saved-tensor bytes) has no allocator state
+
+
+def test_probe_slope_is_at_least_the_held_graphs(monkeypatch):
+    """Small probe chunks may peak at the end of their backward (parameter gradients), not when it
+    starts (every saved activation): the peak line through them then rises slower than the held
+    activations, and extrapolated to a large chunk it under-counts (an H200 plan for 16 GiB peaked
+    at 16.6). Simulated: peak 300 + 5/row, held 10/row: the planned slope must be 10, and the line
+    must stay above both measured peaks."""
+    from bigbatch.gradcache import budget
+
+    def fake_measure(model, x, get_rep, autocast_ctx, params, device, by_grad=True):
+        rows = x.shape[0]
+        return 300.0 + 5.0 * rows, 10.0 * rows, 8.0 * rows
+
+    monkeypatch.setattr(budget, "_measure", fake_measure)
+    cost = budget.ChunkProber().cost(nn.Linear(6, 8), torch.zeros(100, 6), lambda o: o, contextlib.nullcontext, None)
+    assert cost.per_row == 10.0
+    for rows in (16, 48):
+        assert cost.peak(rows) >= 300.0 + 5.0 * rows
+    assert cost.largest_chunk(int(cost.peak(40)), 100) == 40
 
 
 def test_the_plan_counts_the_grad_tensors_the_step_creates():

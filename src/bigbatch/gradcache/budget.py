@@ -44,7 +44,6 @@ from .lazy import buffers_reset_after
 from .chunking import (batch_size, call_model, check_not_detached, map_tensors, model_device, split_batch,
                        tensor_leaves, to_device)
 from .rng import forked_rng, model_cuda_devices
-from .saved import SavedOnce
 from .wrappers import ddp_bypassed
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -198,12 +197,11 @@ def planning_budget(budget: int, fraction: float, cached: float, in_use: int = 0
 
 
 def probe_cost(prober: "ChunkProber", model: nn.Module, x: Any, get_rep: Callable[[Any], Tensor],
-               autocast_ctx: Callable[[], Any], autocast: Optional[torch.dtype], *, custom_split: bool,
-               dedup_saved: bool = True) -> "ChunkCost":
+               autocast_ctx: Callable[[], Any], autocast: Optional[torch.dtype], *, custom_split: bool) -> "ChunkCost":
     """``prober.cost(...)``, with a clear error when a ``split_input_fn`` is in use and the model
     cannot run on the probe's row slices of the raw input (it takes only the custom chunks)."""
     try:
-        return prober.cost(model, x, get_rep, autocast_ctx, autocast, dedup_saved)
+        return prober.cost(model, x, get_rep, autocast_ctx, autocast)
     except (TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
         if not custom_split:
             raise
@@ -325,8 +323,7 @@ def _backward(rep: Tensor, targets: List[Tensor], by_grad: bool) -> None:
             rep.backward(torch.ones_like(rep))
 
 
-def _measure(model, x, get_rep, autocast_ctx, params, device, by_grad: bool = True,
-             dedup_saved: bool = True) -> Tuple[float, float, float]:
+def _measure(model, x, get_rep, autocast_ctx, params, device, by_grad: bool = True) -> Tuple[float, float, float]:
     """(peak, act, representation) bytes of one forward + backward of chunk ``x`` (gradients for
     ``params`` and the chunk's tensors that require grad, which ``x`` holds as leaves of its own);
     with neither (a frozen model fed plain inputs) of its forward alone, without a graph (nothing
@@ -337,7 +334,7 @@ def _measure(model, x, get_rep, autocast_ctx, params, device, by_grad: bool = Tr
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        with autocast_ctx(), torch.set_grad_enabled(train), SavedOnce(enabled=train and dedup_saved):
+        with autocast_ctx(), torch.set_grad_enabled(train):
             rep = _get_rep(get_rep, call_model(model, x), graph=train)
         act = torch.cuda.memory_allocated(device) - base if train else 0
         rep_bytes = _rep_bytes(rep)
@@ -352,8 +349,13 @@ def _measure(model, x, get_rep, autocast_ctx, params, device, by_grad: bool = Tr
             rep = _get_rep(get_rep, out)
         out_bytes = sum(t.numel() * t.element_size() for t in tensor_leaves(out))
         return float(2 * out_bytes), 0.0, _rep_bytes(rep)
-    saved = [0]  # the bytes of the tensors the forward saves for the backward (as saved.py holds them)
-    with SavedOnce(enabled=dedup_saved, counted=saved), autocast_ctx():
+    saved = [0]
+
+    def pack(t: Tensor) -> Tensor:
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast_ctx():
         rep = _get_rep(get_rep, call_model(model, x), graph=True)
     if rep.requires_grad:
         _backward(rep, params, by_grad)
@@ -374,12 +376,12 @@ class ChunkProber:
         self._cache: "OrderedDict[Tuple, ChunkCost]" = OrderedDict()
 
     def cost(self, model: nn.Module, x: Any, get_rep: Callable[[Any], Tensor],
-             autocast_ctx: Callable[[], Any], autocast: Optional[torch.dtype], dedup_saved: bool = True) -> ChunkCost:
+             autocast_ctx: Callable[[], Any], autocast: Optional[torch.dtype]) -> ChunkCost:
         b = batch_size(x)
         c1, c2 = min(self.probe_rows[0], b), min(self.probe_rows[1], b)
         # a batch smaller than the larger probe is probed at its own sizes, a cost that a later
         # larger batch must not inherit (its chunks would be sized from a few rows' line)
-        key = (_signature(model, x, autocast), c2, callable_key(get_rep), dedup_saved)
+        key = (_signature(model, x, autocast), c2, callable_key(get_rep))
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
@@ -398,7 +400,7 @@ class ChunkProber:
                 # copies (a few rows): a forward that writes its input in place must not touch the batch
                 chunk = map_tensors(to_device(split_batch(x, c)[0], device),
                                     lambda t: t.detach().clone().requires_grad_(t.requires_grad))
-                return _measure(model, chunk, get_rep, autocast_ctx, params, device, by_grad, dedup_saved)
+                return _measure(model, chunk, get_rep, autocast_ctx, params, device, by_grad)
 
             def points_of(by_grad: bool) -> List[Tuple[int, float, float, float]]:
                 # On CUDA, a first forward + backward also makes one-time allocations (library
@@ -426,12 +428,13 @@ class ChunkProber:
             act_slope = max((ab - aa) / (cb - ca), 0.0)
             # The peak's slope is at least the held graph's: a large chunk peaks when its backward
             # starts, with every saved activation held, but a small probe may peak at the end of its
-            # backward, when the parameters' gradients dominate and the activations are mostly freed
-            # -- a line through two such points under-counts large chunks (H200, BERT-base queries
-            # with dedup_saved: 8.0 MiB/row fitted, 9.2 measured between 1024 and 1600 rows, 9.7
-            # held). At least half the larger probe's bytes per row too: a guard against a flat fit
-            # (allocator rounding). The fixed part then keeps the line above both probes, so a chunk
-            # between them is not under-counted either (a model of large weights and small
+            # backward, when the parameters' gradients dominate and most activations are freed; a
+            # line through two such points under-counts large chunks (H200, BERT-base queries with
+            # gelu outputs recomputed in the backward, a session-13 experiment: 8.0 MiB/row fitted,
+            # 9.2 measured between 1024 and 1600 rows, 9.7 held; a 16 GiB plan peaked at 16.6).
+            # At least half the larger probe's bytes per row too: a guard against a flat fit
+            # (allocator rounding). The fixed part then keeps the line above both probes, so a
+            # chunk between them is not under-counted either (a model of large weights and small
             # activations: its fixed part is most of the peak).
             slope = max((pb - pa) / (cb - ca), act_slope, pb / cb * 0.5, 1.0)
             fixed = max(pa - slope * ca, pb - slope * cb, 0.0)

@@ -128,11 +128,6 @@ class GradCache:
         ddp_sync: ``"last_chunk"`` (DDP all-reduces once per step) or ``"every_chunk"``.
         keep_last_graph: keep the graph of the last chunk(s) of pass 1 when the budget allows, instead of
             re-running them (one chunk's forward saved per step).
-        dedup_saved: hold each activation a graph-building forward saves once (``gradcache/saved.py``):
-            autocast's identical half-precision copies of one tensor (the Q, K, V projections' inputs)
-            stored once, gelu outputs recomputed from gelu's saved input in the backward. Gradients
-            are bit-identical; a BERT encoder under bf16 saves ~27% less per row, so a memory budget
-            fits larger chunks. ``False``: autograd's own saving.
 
     ``gc(..., no_sync_except_last=True/False)`` is accepted as in the public GradCache and sets
     ``ddp_sync`` for that step (``"last_chunk"`` / ``"every_chunk"``); it is not passed to ``loss_fn``.
@@ -164,7 +159,6 @@ class GradCache:
         offload_reps: bool = False,
         ddp_sync: str = "last_chunk",
         keep_last_graph: bool = True,
-        dedup_saved: bool = True,
     ) -> None:
         hooks = [n for n in _PUBLIC_HOOKS if hasattr(type(self), n)]
         if hooks:
@@ -207,7 +201,6 @@ class GradCache:
         self.offload_reps = offload_reps
         self.ddp_sync = ddp_sync
         self.keep_last_graph = keep_last_graph
-        self.dedup_saved = bool(dedup_saved)
         self._prober = ChunkProber()
         self.last_chunk_sizes: List[int] = []  # what the last step used, per input (for logs/benchmarks)
         self.last_chunk_rows: List[List[int]] = []  # per input: the rows of each chunk of the last step
@@ -271,7 +264,7 @@ class GradCache:
         amp = _autocast(model_device(model, x), self.autocast_dtype)
         # (the probe bypasses the forward of every DDP module in the model: wrappers.ddp_bypassed)
         return probe_cost(self._prober, model, x, self._rep_fn(), amp, self.autocast_dtype,
-                          custom_split=self.split_input_fn is not None, dedup_saved=self.dedup_saved)
+                          custom_split=self.split_input_fn is not None)
 
     def _plan_keep(self, units: List[Unit], costs, usable: Optional[int], trainable: Sequence[bool]) -> None:
         """Flag the last chunks of pass 1 whose graphs fit ``usable`` bytes (without a budget: the
@@ -334,8 +327,7 @@ class GradCache:
         self._plan_keep(units, costs, usable, trainable)
         finalize_plan(units)
         self.last_chunk_sizes, self.last_kept = sizes, sum(u.keep for u in units)
-        opts = EngineOptions(self._rep_fn(), self.autocast_dtype, self.offload_inputs, self.offload_reps, ddp_sync,
-                             dedup_saved=self.dedup_saved)
+        opts = EngineOptions(self._rep_fn(), self.autocast_dtype, self.offload_inputs, self.offload_reps, ddp_sync)
         try:
             reps = encode(units, opts, len(inputs))
             # an input whose representation required grad without a registered trainable parameter

@@ -126,7 +126,6 @@ def cached_encode(
     offload_reps: bool = False,
     ddp_sync: str = "last_chunk",
     keep_last_graph: bool = False,
-    dedup_saved: bool = True,
 ) -> Tensor:
     """Encode ``inputs`` in chunks; the result's backward re-runs the chunks (gradient caching).
 
@@ -145,7 +144,6 @@ def cached_encode(
         offload_inputs / offload_reps / ddp_sync: as for :class:`~bigbatch.GradCache`.
         keep_last_graph: keep the last chunk's graph until the backward (saves its re-run; costs its
             activations during the caller's loss).
-        dedup_saved: as for :class:`~bigbatch.GradCache` (each saved activation held once; bit-identical).
 
     Returns:
         (B, ...) representations with a ``grad_fn`` when grad mode is on and a parameter requires grad.
@@ -175,7 +173,7 @@ def cached_encode(
     if sized_from_budget:
         budget = budget or default_budget(device, "chunk_size")
         cost = probe_cost(_PROBER, model, bounded, get_rep, _autocast(device, autocast_dtype), autocast_dtype,
-                          custom_split=split_input_fn is not None, dedup_saved=dedup_saved)
+                          custom_split=split_input_fn is not None)
         b = batch_size(inputs)
         cached = 0.0 if offloads(offload_reps, device) else cost.cached(b)
         taken = in_use_at_start([device], [model] if needs_grad else [])  # no backward: no .grad made
@@ -187,7 +185,7 @@ def cached_encode(
     units = [Unit(0, model, c, chunk_rows(c, split_input_fn is not None, "a chunk of inputs"), ddps=ddps) for c in chunks]
     # no autocast at the forward: none in the backward's re-runs either, whatever region it runs in
     opts = EngineOptions(get_rep, autocast_dtype, offload_inputs, offload_reps, ddp_sync, inherit_autocast=False,
-                         check_plain_ddp=needs_grad and bool(ddps), dedup_saved=bool(dedup_saved))
+                         check_plain_ddp=needs_grad and bool(ddps))
     if opts.check_plain_ddp:
         watch_plain_forwards(ddps)
     if not needs_grad:  # no registered parameter or input is trained: plain no-grad forwards ...

@@ -34,7 +34,6 @@ from .buffers import BufferStates, buffers_restored, recording, restoring
 from .chunking import call_model, check_not_detached, model_device, staged, tensor_leaves
 from .lazy import LazyInits, skipping_inits
 from .model_state import ModelState, param_versions
-from .saved import SavedOnce
 from .rng import RngState, cuda_devices_of, model_cuda_devices
 from .wrappers import agree_no_plain_forward_pending, check_same_sync_count, own_ddp_forwards, sync_context
 
@@ -85,8 +84,6 @@ class EngineOptions:
     # is flagged for a re-run if its representation requires grad all the same -- a trainable tensor
     # the model does not register (a projection in get_rep_fn, torch.func.functional_call weights)
     detect_hidden: bool = True
-    # graph-building forwards hold each saved activation once (saved.py): bit-identical backward
-    dedup_saved: bool = True
 
 
 def _autocast(device: torch.device, dtype: Optional[torch.dtype], inherit: bool = True) -> Callable[[], Any]:
@@ -105,9 +102,8 @@ def _no_autocast(device: torch.device, dtype: Optional[torch.dtype], inherit: bo
 
 def _rep(opts: EngineOptions, model: nn.Module, chunk: Any, rows: Optional[int], graph: bool = True) -> Tensor:
     """The chunk's representation; ``graph``: one whose gradient is needed (a kept or re-run chunk)."""
-    with SavedOnce(enabled=graph and opts.dedup_saved):
-        out = call_model(model, chunk)
-        rep = opts.get_rep(out)
+    out = call_model(model, chunk)
+    rep = opts.get_rep(out)
     if not isinstance(rep, Tensor):
         raise TypeError(f"get_rep_fn must return a tensor, got {type(rep).__name__}; pass get_rep_fn=...")
     if rows is None and rep.dim() > 0:
