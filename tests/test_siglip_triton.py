@@ -133,6 +133,25 @@ def test_mm_acc_accumulates_in_fp32():
     assert_rel(acc, want, 1e-6, "acc += a @ b")
 
 
+def test_mm_acc_mode_is_decided_per_device_type(monkeypatch):
+    """The GEMM form of ``acc += a @ b`` was cached once per process from the first device: a CPU
+    call first made CUDA up-cast (fp32 copies of the half G tile on the GPU), a CUDA call first
+    made a later CPU call use ``addmm(out_dtype=)``, which the CPU lacks (NotImplementedError)."""
+    from bigbatch.backends import gemm
+
+    monkeypatch.setattr(gemm, "_MM_ACC_MODES", {"cuda": "addmm_out_dtype"})  # as after a first CUDA call
+    g = torch.Generator().manual_seed(5)
+    a, b = (torch.randn(*s, generator=g).to(torch.float16) for s in ((9, 12), (12, 5)))
+    acc = torch.randn(9, 5, generator=g)
+    want = acc.double() + a.double() @ b.double()
+    mm_acc(acc, a, b)
+    assert_rel(acc, want, 1e-6, "acc += a @ b on the CPU after a CUDA decision")
+    assert gemm._MM_ACC_MODES == {"cuda": "addmm_out_dtype", "cpu": "upcast"}
+    monkeypatch.setattr(gemm, "_MM_ACC_MODES", {})
+    gemm._mm_acc_mode(torch.device("cpu"))
+    assert "cuda" not in gemm._MM_ACC_MODES  # a CPU call decides nothing for CUDA
+
+
 # ----------------------------------------------------------------------------- real GPU
 
 

@@ -328,6 +328,35 @@ def test_registry_resolves_triton():
     assert isinstance(be, TritonTiles) and be.supports(torch.device(DEVICE))
 
 
+def test_interpreter_set_after_the_kernels_were_imported_is_refused_clearly(tmp_path):
+    """Triton fixes at @triton.jit (the kernel module's import) whether a kernel is interpreted:
+    TRITON_INTERPRET=1 set afterwards let CPU tensors through the device check into Triton's own
+    "0 active drivers" RuntimeError. A fresh process imports the kernels without the variable."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "late.py"
+    script.write_text(
+        "import os, torch, bigbatch\n"
+        "import bigbatch.backends.triton_softmax, bigbatch.backends.triton_sigmoid\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "q = torch.randn(4, 3)\n"
+        "for call in (lambda: bigbatch.clip_loss(q, q, 2.0, backend='triton'),\n"
+        "             lambda: bigbatch.siglip_loss(q, q, 2.0, 0.0, backend='triton')):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except ValueError as exc:\n"
+        "        print('refused:', exc)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("refused:")]
+    assert len(lines) == 2 and all("set after" in line for line in lines), out.stdout + out.stderr[-2000:]
+
+
 # ----------------------------------------------------------------------------- real GPU tests
 GPU_CASES = [
     # dtype, precision, loss tol, grad tol

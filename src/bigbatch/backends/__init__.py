@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Optional, Union
+from typing import Dict, Optional, Union
 
 import torch
 
@@ -37,10 +37,31 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# kernel module -> whether TRITON_INTERPRET was set when it was imported: @triton.jit decides at
+# decoration whether a kernel is interpreted, so setting the variable later does not reach it
+_KERNELS_INTERPRETED: Dict[str, bool] = {}
+
+
+def kernels_imported(module: str) -> None:
+    """Called by each module that defines Triton kernels, when it is imported."""
+    _KERNELS_INTERPRETED[module] = triton_interpreted()
+
+
+def _late_interpreter(device: torch.device) -> str:
+    """The reason a CPU device is refused although TRITON_INTERPRET=1 is set now, or ''."""
+    if device.type == "cpu" and triton_interpreted() and not all(_KERNELS_INTERPRETED.values()):
+        return ("; TRITON_INTERPRET=1 was set after bigbatch's Triton kernels were imported (Triton fixes "
+                "it at import): set it before the first Triton call")
+    return ""
+
+
 def triton_runs_on(device: torch.device) -> bool:
-    """Whether the Triton backends can run on ``device``: CUDA, or the CPU under the interpreter."""
+    """Whether the Triton backends can run on ``device``: CUDA, or the CPU when the kernels are (or,
+    not imported yet, will be) interpreted."""
     device = torch.device(device)
-    return device.type == "cuda" or (device.type == "cpu" and triton_interpreted())
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and triton_interpreted() and all(_KERNELS_INTERPRETED.values())
 
 
 # Per op: (protocol, what a backend object must be, torch class).
@@ -83,7 +104,7 @@ def resolve_backend(
     if not isinstance(backend, str):
         if isinstance(backend, protocol):
             if not backend.supports(device):
-                raise ValueError(f"backend {backend.name!r} cannot run on device {device}")
+                raise ValueError(f"backend {backend.name!r} cannot run on device {device}" + _late_interpreter(device))
             return backend
         raise TypeError(f"backend must be one of {BACKEND_NAMES} or {what}, got {type(backend).__name__}")
     if backend not in BACKEND_NAMES:
@@ -98,7 +119,7 @@ def resolve_backend(
         if not triton_runs_on(device):
             raise ValueError(
                 f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), "
-                f"got tensors on {device}"
+                f"got tensors on {device}" + _late_interpreter(device)
             )
         if dtype == torch.float64:
             raise ValueError("backend='triton' takes float16/bfloat16/float32 features, got float64; use backend='torch'")

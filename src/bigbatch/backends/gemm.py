@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator, Optional
+from typing import Dict, Iterator, Optional
 
 import torch
 from torch import Tensor
 
 
-# How ``acc += a @ b`` is done for half-precision a, b and an fp32 accumulator (decided on first use).
-_MM_ACC_MODE: Optional[str] = None
+# How ``acc += a @ b`` is done for half-precision a, b and an fp32 accumulator, per device type
+# (decided on first use there: a CPU call first must not decide it for CUDA, nor the reverse)
+_MM_ACC_MODES: Dict[str, str] = {}
 
 
 def _mm_acc_mode(device: torch.device) -> str:
@@ -25,12 +26,11 @@ def _mm_acc_mode(device: torch.device) -> str:
 
     The fused form is checked once against an fp64 product before it is trusted.
     """
-    global _MM_ACC_MODE
-    if _MM_ACC_MODE is not None:
-        return _MM_ACC_MODE
+    if device.type in _MM_ACC_MODES:
+        return _MM_ACC_MODES[device.type]
     if device.type != "cuda":
-        _MM_ACC_MODE = "upcast"
-        return _MM_ACC_MODE
+        _MM_ACC_MODES[device.type] = "upcast"
+        return "upcast"
     gen = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(64, 96, device=device, generator=gen).to(torch.bfloat16)
     b = torch.randn(96, 48, device=device, generator=gen).to(torch.bfloat16)
@@ -51,7 +51,7 @@ def _mm_acc_mode(device: torch.device) -> str:
                 mode = "mm_out_dtype"
         except (RuntimeError, TypeError, NotImplementedError):
             pass
-    _MM_ACC_MODE = mode
+    _MM_ACC_MODES[device.type] = mode
     return mode
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from . import triton_runs_on
+from . import kernels_imported, triton_runs_on
 from .base import compute_dtype
 from .torch_sigmoid import check_ids
 from .gemm import fp32_matmul, mm_acc
@@ -35,6 +35,8 @@ from .torch_tiles import blocks
 # Bytes of the G workspace tile chosen automatically (GPU); the interpreter uses small tiles.
 _AUTO_TILE_BYTES = {"cuda": 1 << 29, "cpu": 1 << 16}
 
+
+kernels_imported(__name__)  # (interpreted or compiled, fixed now)
 
 @triton.jit
 def _exp2(x, FAST: tl.constexpr):

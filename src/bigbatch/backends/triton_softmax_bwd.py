@@ -21,7 +21,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import kernels_imported
 from .triton_softmax_fwd import LOG2E, _tile_logits2
+
+kernels_imported(__name__)  # (interpreted or compiled, fixed now)
 
 
 @triton.jit

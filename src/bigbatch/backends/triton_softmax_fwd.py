@@ -32,6 +32,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import kernels_imported
+
+kernels_imported(__name__)  # (interpreted or compiled, fixed now)
+
 LOG2E = tl.constexpr(1.4426950408889634)
 
 

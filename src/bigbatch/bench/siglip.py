@@ -164,7 +164,7 @@ def single_gpu(args) -> Dict[str, Any]:
         "bf16_matmul_tflops": bf16_rate,
         "flops_accounting": "6*B^2*D",
         "kernel_block": list(block) if block else "default",
-        "mm_acc_mode": gemm._MM_ACC_MODE,
+        "mm_acc_mode": gemm._MM_ACC_MODES.get("cuda"),
         "tune": tuned,
         "correctness_rel_err": {"batch": args.check_batch, "dtype": args.dtype, **check},
         "results": results,
@@ -311,7 +311,7 @@ def ring_correctness(b: int, d: int, dtype: torch.dtype, group, device) -> Dict[
 def _mm_acc_mode_name() -> Optional[str]:
     from bigbatch.backends import gemm
 
-    return gemm._MM_ACC_MODE
+    return gemm._MM_ACC_MODES.get("cuda")
 
 
 def ring(args) -> Optional[Dict[str, Any]]:
