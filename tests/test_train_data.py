@@ -201,6 +201,13 @@ def test_bad_utf8_and_lone_surrogates_name_the_line(tmp_path):
         load_jsonl(tmp_path / "s.jsonl")
 
 
+def test_a_byte_order_mark_is_not_part_of_the_first_line(tmp_path):
+    """Some Windows editors start a UTF-8 file with a byte-order mark: it was refused as bad JSON."""
+    lines = [json.dumps({"query": f"q{i}", "positive": f"p{i}"}) for i in range(3)]
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode())
+    assert [p.query for p in load_jsonl(tmp_path / "bom.jsonl")] == ["q0", "q1", "q2"]
+
+
 def test_an_eval_file_of_one_example_is_refused(tmp_path):
     """One held-out example ranks first among one: recall 1.0 before and after, nothing measured."""
     lines = [json.dumps({"query": f"q{i}", "positive": f"p{i}"}) for i in range(20)]

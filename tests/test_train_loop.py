@@ -599,5 +599,6 @@ def test_options_without_effect_are_named_and_never_clash_on_resume(tmp_path, da
     resumed = train(TrainConfig(out=str(tmp_path / "run"), max_pairs=9, heldout_fraction=0.1, lr=1e-2), resume=True,
                     explicit=["out", "max_pairs", "heldout_fraction", "lr"], log=lambda s: None)
     assert resumed["finished"]
-    with pytest.raises(RunError, match="--lr 0.5"):
+    # the saved None is shown as the rate it stands for (it read "saved: None")
+    with pytest.raises(RunError, match=r"--lr 0.5 \(saved: 0.01, the model's default\)"):
         train(TrainConfig(out=str(tmp_path / "run"), lr=0.5), resume=True, explicit=["out", "lr"], log=lambda s: None)

@@ -322,7 +322,8 @@ def load_jsonl(path: os.PathLike | str) -> List[Pair]:
     if not p.is_file():
         raise DataError(f"data file {str(p)!r} does not exist or is not a file")
     pairs: List[Pair] = []
-    with p.open("r", encoding="utf-8", errors="strict") as f:
+    # utf-8-sig: a byte-order mark at the start (as some Windows editors write) is not part of line 1
+    with p.open("r", encoding="utf-8-sig", errors="strict") as f:
         try:
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():

@@ -397,8 +397,13 @@ def merged_config(cfg: TrainConfig, out: Path, explicit: Sequence[str]) -> Train
             return cfg.peak_lr() != merged.peak_lr()
         return getattr(cfg, k) != getattr(merged, k)
 
+    def shown(k: str, config: TrainConfig, value: object) -> str:
+        if k == "lr" and value is None:  # the model's default rate
+            return f"{config.peak_lr()!r}, the model's default"
+        return repr(value)
+
     clashes = [
-        f"--{k.replace('_', '-')} {getattr(cfg, k)!r} (saved: {saved.get(k)!r})"
+        f"--{k.replace('_', '-')} {shown(k, cfg, getattr(cfg, k))} (saved: {shown(k, merged, saved.get(k))})"
         for k in explicit
         if k in known and k not in TrainConfig.RESUMABLE_OVERRIDES and k not in unused and differs(k)
     ]
