@@ -602,3 +602,20 @@ def test_options_without_effect_are_named_and_never_clash_on_resume(tmp_path, da
     # the saved None is shown as the rate it stands for (it read "saved: None")
     with pytest.raises(RunError, match=r"--lr 0.5 \(saved: 0.01, the model's default\)"):
         train(TrainConfig(out=str(tmp_path / "run"), lr=0.5), resume=True, explicit=["out", "lr"], log=lambda s: None)
+
+
+def test_repeated_positives_in_user_data_are_named(tmp_path, data):
+    """Pairs sharing a positive text are each other's false negatives in a batch: the built-in set
+    removes them, a user's file was trained on without a word."""
+    lines = [json.dumps({"query": f"question {i}", "positive": f"answer {i % 40}"}) for i in range(64)]
+    (tmp_path / "dup.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    said = []
+    train(TrainConfig(data=str(tmp_path / "dup.jsonl"), eval_data=str(data[1]), batch_size=16, chunk_size=16, steps=1,
+                      buckets=1024, dim=16, max_length=16, progress=False, out=str(tmp_path / "run")),
+          log=said.append, explicit=["data", "eval_data"])
+    assert any(s.startswith("note: 24 training pairs repeat the positive text") for s in said), said
+    said.clear()
+    train(TrainConfig(data=str(data[0]), eval_data=str(data[1]), batch_size=16, chunk_size=16, steps=1, buckets=1024,
+                      dim=16, max_length=16, progress=False, out=str(tmp_path / "run2")),
+          log=said.append, explicit=["data", "eval_data"])
+    assert not any("repeat the positive" in s for s in said)

@@ -372,6 +372,17 @@ def _parse_line(line: str, path: Path, lineno: int) -> Pair:
     return Pair(query=obj["query"], positive=obj["positive"], negatives=tuple(negs), group=str(lineno))
 
 
+def repeated_positives(pairs: Sequence[Pair]) -> int:
+    """How many pairs have a positive text that an earlier pair has too: two such pairs in one batch
+    make each other's positive an in-batch negative (a false negative)."""
+    seen: set = set()
+    repeats = 0
+    for p in pairs:
+        repeats += p.positive in seen
+        seen.add(p.positive)
+    return repeats
+
+
 def jsonl_splits(
     path: os.PathLike | str, *, eval_path: Optional[os.PathLike | str] = None, heldout_fraction: float = 0.05,
     seed: int = 0,

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .data import DataError, Pair, Splits, builtin_codesearch, default_cache_dir, jsonl_splits
+from .data import (DataError, Pair, Splits, builtin_codesearch, default_cache_dir, jsonl_splits,
+                   repeated_positives)
 from .interrupt import AgreedStop, sigint_deferred
 from .metrics import MetricsLog, encode_all, format_metrics, retrieval_metrics, summary_table
 from .model import DualEncoder, Inputs, build_model, resolve_model_path, select
@@ -487,6 +488,10 @@ def train(
     t_data = time.perf_counter()
     splits = load_splits(cfg)  # DataError here leaves `out` untouched
     say(f"data: {splits.source} ({time.perf_counter() - t_data:.1f} s)")
+    repeats = repeated_positives(splits.train)
+    if repeats:
+        say(f"note: {repeats} training pairs repeat the positive text of an earlier pair; two of them in one "
+            "batch make each other's positive an in-batch negative (deduplicate the data to avoid it)")
     per_epoch = len(splits.train) // cfg.batch_size
     if per_epoch < 1:
         raise ValueError(f"--batch-size {cfg.batch_size} is larger than the training set ({len(splits.train)} pairs)")
