@@ -423,6 +423,14 @@ def test_parse_memory():
             parse_memory(bad)
     with pytest.raises(TypeError, match="memory_budget"):
         parse_memory([1])
+    # numpy numbers are numbers (np.int64 was refused as "got int64", while chunk_sizes took it);
+    # a string too long for a float was a raw OverflowError
+    import numpy as np
+
+    assert parse_memory(np.int64(4096)) == 4096 and parse_memory(np.float32(2048.0)) == 2048
+    for bad in ("9" * 400, float("nan"), np.float64("inf")):
+        with pytest.raises(ValueError, match="memory_budget"):
+            parse_memory(bad)
 
 
 def test_bad_arguments():

@@ -7,8 +7,11 @@ and back-propagates the cached representation's gradient. Reference: the same su
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 
 import bigbatch
 from bigbatch.gradcache import cached, cat_input_tensor
@@ -184,3 +187,35 @@ def test_drop_in_for_the_public_functional_api():
     zero(params)
     cached_step(models, batches, seed=6)
     check_grads(params, ref, TOL, "vs the public functional API")
+
+
+def test_complex_representations_get_their_gradient():
+    """A complex representation (ComplEx / RotatE embeddings) came back as a leaf without
+    requires_grad (is_floating_point() is False for complex): its gradient was dropped silently."""
+    class Complex(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.re, self.im = nn.Linear(8, 6).double(), nn.Linear(8, 6).double()
+
+        def forward(self, x):
+            return self.re(x), torch.complex(self.re(x), self.im(x))
+
+    def loss(a, z):
+        return (a ** 2).mean() + (z.abs() ** 3).mean()
+
+    torch.manual_seed(0)
+    model = Complex()
+    ref = copy.deepcopy(model)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    loss(*ref(x)).backward()
+
+    @cached
+    def enc(m, x):
+        return m(x)
+
+    a, z, closure = enc(model, x)
+    assert z.requires_grad
+    loss(a, z).backward()
+    closure((a, z))
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)

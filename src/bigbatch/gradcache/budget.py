@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import re
 import types
 import weakref
@@ -58,15 +59,16 @@ def parse_memory(value: MemoryArg, name: str = "memory_budget") -> Optional[int]
         return None
     if isinstance(value, bool):
         raise TypeError(f"{name} must be bytes (int) or a string like '16GiB', got bool")
-    if isinstance(value, (int, float)):
-        if isinstance(value, float) and not math.isfinite(value):
+    if isinstance(value, numbers.Real) and not isinstance(value, (str, bytes)):  # numpy numbers too
+        if not math.isfinite(value):
             raise ValueError(f"{name} must be a finite number of bytes, got {value!r}")
         out = int(value)
     elif isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-        if not m or m.group(2).lower() not in _UNITS:
+        number = float(m.group(1)) if m else math.nan
+        if not m or m.group(2).lower() not in _UNITS or not math.isfinite(number):
             raise ValueError(f"{name}: cannot read {value!r}; use bytes or e.g. '16GiB', '512MiB', '8GB'")
-        out = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        out = int(number * _UNITS[m.group(2).lower()])
     else:
         raise TypeError(f"{name} must be bytes (int) or a string like '16GiB', got {type(value).__name__}")
     if out <= 0:

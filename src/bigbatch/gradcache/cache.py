@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from .head import attach_head
 from .budget import ChunkProber, MemoryArg, in_use_at_start, offloads, parse_memory, planning_budget, probe_cost
-from .chunking import batch_size, check_offload_target, chunk_rows, model_device, pin, split_chunks
+from .chunking import batch_size, check_offload_target, check_split_rows, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, backprop, encode, finalize_plan
 from .inputs import backward_into_originals, inputs_require_grad, with_boundaries
 from .wrappers import (DDP_SYNC_MODES, check_loss_params_outside_ddp, check_not_fsdp, check_not_parametrize_cached,
@@ -187,6 +187,9 @@ class GradCache:
         check_options(autocast_dtype, scaler, ddp_sync)
         if chunk_sizes is not None:
             chunk_sizes = check_chunk_sizes(chunk_sizes)
+        if chunk_sizes is not None and len(self.models) > 1 and len(chunk_sizes) not in (1, len(self.models)):
+            raise ValueError(f"chunk_sizes has {len(chunk_sizes)} entries for {len(self.models)} models: give one "
+                             "size, or one per model (input)")
         if chunk_sizes is not None and len(chunk_sizes) == 1 and len(self.models) > 1:
             chunk_sizes = chunk_sizes * len(self.models)  # one per model, as the public package keeps them
         self.chunk_sizes: Optional[List[int]] = chunk_sizes
@@ -321,9 +324,12 @@ class GradCache:
             if self.split_input_fn is None:  # the built-in split needs batched tensors it can see
                 batch_size(x, f"inputs[{i}]", hint="pass split_input_fn= to split another type")
             ddps = ddp_modules(m)
-            for chunk in split_chunks(x, c, split_input_fn=self.split_input_fn, from_budget=self.chunk_sizes is None):
-                units.append(Unit(i, m, chunk, chunk_rows(chunk, self.split_input_fn is not None, f"a chunk of inputs[{i}]"),
-                                  rerun=trainable[i], ddps=ddps))
+            mine = [Unit(i, m, chunk, chunk_rows(chunk, self.split_input_fn is not None, f"a chunk of inputs[{i}]"),
+                         rerun=trainable[i], ddps=ddps)
+                    for chunk in split_chunks(x, c, split_input_fn=self.split_input_fn, from_budget=self.chunk_sizes is None)]
+            if self.split_input_fn is not None:
+                check_split_rows(x, [u.rows for u in mine], f"inputs[{i}]")
+            units += mine
         self._plan_keep(units, costs, usable, trainable)
         finalize_plan(units)
         self.last_chunk_sizes, self.last_kept = sizes, sum(u.keep for u in units)

@@ -111,7 +111,8 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
         model_states = [ModelState(m, v) for m, v in zip(modules, versions)]
         first = _as_tuple(out, func.__name__)
         # compact: a view such as out[:, 0] would keep the sub-batch's whole output alive
-        leaves = tuple(compact(t).requires_grad_(t.is_floating_point()) for t in first)
+        # (complex representations are differentiable too: is_floating_point() is False for them)
+        leaves = tuple(compact(t).requires_grad_(t.is_floating_point() or t.is_complex()) for t in first)
         spent = [False]
 
         def forward_backward(cache_reps: Reps) -> None:
