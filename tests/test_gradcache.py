@@ -431,6 +431,9 @@ def test_parse_memory():
     for bad in ("9" * 400, float("nan"), np.float64("inf")):
         with pytest.raises(ValueError, match="memory_budget"):
             parse_memory(bad)
+    from fractions import Fraction
+
+    assert parse_memory(10**400) == 10**400 and parse_memory(Fraction(10**400, 3)) == 10**400 // 3  # huge is fine
 
 
 def test_bad_arguments():

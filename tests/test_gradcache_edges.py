@@ -62,23 +62,6 @@ def test_custom_batch_type_through_split_input_fn(api):
         assert_rel(p.grad, r, 1e-10, "custom batch")
 
 
-@pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
-def test_a_split_input_fn_that_loses_rows_is_refused(api):
-    """An off-by-one split dropping the last rows gave the loss fewer rows than the batch, silently."""
-    m = nn.Linear(6, 4).to(F64)
-    x = torch.randn(7, 6, dtype=F64)
-
-    def lossy(t, c):
-        return [t[i:i + c] for i in range(0, len(t) - 1, c)][:-1] + [t[len(t) - len(t) % c - c:len(t) - 1]]
-
-    with pytest.raises(ValueError, match=r"split_input_fn split inputs(\[0\])? of 7 rows into chunks of \[3, 3\] rows"):
-        if api == "gradcache":
-            GradCache(m, 3, lambda q: q.sum(), split_input_fn=lossy)(x)
-        else:
-            cached_encode(m, x, 3, split_input_fn=lossy).sum().backward()
-    assert m.weight.grad is None
-
-
 def test_chunk_sizes_per_model_are_checked_when_built():
     """Three chunk sizes for two models was accepted and failed at the first call."""
     m1, m2 = nn.Linear(6, 4), nn.Linear(6, 4)
@@ -106,7 +89,7 @@ def test_a_loss_writing_a_model_parameter_is_named_in_the_refusal():
         return (tower.logit_scale.exp() * q @ p.T).logsumexp(1).mean()
 
     x, y = torch.randn(5, 6, dtype=F64), torch.randn(5, 6, dtype=F64)
-    with pytest.raises(RuntimeError, match="logit-scale clamp.*belongs outside the encoders"):
+    with pytest.raises(RuntimeError, match="logit scale that the loss clamps in place belongs outside the encoders"):
         GradCache(tower, 2, loss)(x, y)
 
 

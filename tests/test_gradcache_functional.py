@@ -189,9 +189,11 @@ def test_drop_in_for_the_public_functional_api():
     check_grads(params, ref, TOL, "vs the public functional API")
 
 
-def test_complex_representations_get_their_gradient():
-    """A complex representation (ComplEx / RotatE embeddings) came back as a leaf without
-    requires_grad (is_floating_point() is False for complex): its gradient was dropped silently."""
+@pytest.mark.parametrize("api", ["functional", "gradcache"])
+def test_complex_representations_get_their_gradient(api):
+    """A complex representation (ComplEx / RotatE embeddings) came back from the functional cached
+    as a leaf without requires_grad (is_floating_point() is False for complex): its gradient was
+    dropped silently. GradCache refused it (cached_encode took it): all three take it now."""
     class Complex(nn.Module):
         def __init__(self):
             super().__init__()
@@ -201,21 +203,25 @@ def test_complex_representations_get_their_gradient():
             return self.re(x), torch.complex(self.re(x), self.im(x))
 
     def loss(a, z):
-        return (a ** 2).mean() + (z.abs() ** 3).mean()
+        return (a ** 2).mean() + (z.abs() ** 3).mean() + (z.real * z.imag).mean()
 
     torch.manual_seed(0)
     model = Complex()
     ref = copy.deepcopy(model)
     x = torch.randn(6, 8, dtype=torch.float64)
-    loss(*ref(x)).backward()
+    if api == "functional":
+        loss(*ref(x)).backward()
 
-    @cached
-    def enc(m, x):
-        return m(x)
+        @cached
+        def enc(m, x):
+            return m(x)
 
-    a, z, closure = enc(model, x)
-    assert z.requires_grad
-    loss(a, z).backward()
-    closure((a, z))
+        a, z, closure = enc(model, x)
+        assert z.requires_grad
+        loss(a, z).backward()
+        closure((a, z))
+    else:
+        loss(torch.zeros(()), ref(x)[1]).backward()
+        bigbatch.GradCache(model, 4, lambda z: loss(torch.zeros(()), z), get_rep_fn=lambda out: out[1])(x)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)

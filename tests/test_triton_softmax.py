@@ -331,7 +331,10 @@ def test_registry_resolves_triton():
 def test_interpreter_set_after_the_kernels_were_imported_is_refused_clearly(tmp_path):
     """Triton fixes at @triton.jit (the kernel module's import) whether a kernel is interpreted:
     TRITON_INTERPRET=1 set afterwards let CPU tensors through the device check into Triton's own
-    "0 active drivers" RuntimeError. A fresh process imports the kernels without the variable."""
+    "0 active drivers" RuntimeError. So do Triton's library functions at triton's import: kernels
+    imported later under the interpreter fail in them ("Cannot call @triton.jit'd outside of the
+    scope of a kernel"). The variable is read as Triton reads it ("false" is off). Fresh processes,
+    which import triton without the variable."""
     import os
     import subprocess
     import sys
@@ -339,7 +342,7 @@ def test_interpreter_set_after_the_kernels_were_imported_is_refused_clearly(tmp_
     script = tmp_path / "late.py"
     script.write_text(
         "import os, torch, bigbatch\n"
-        "import bigbatch.backends.triton_softmax, bigbatch.backends.triton_sigmoid\n"
+        "import bigbatch.backends.triton_sigmoid\n"
         "os.environ['TRITON_INTERPRET'] = '1'\n"
         "q = torch.randn(4, 3)\n"
         "for call in (lambda: bigbatch.clip_loss(q, q, 2.0, backend='triton'),\n"
@@ -353,8 +356,21 @@ def test_interpreter_set_after_the_kernels_were_imported_is_refused_clearly(tmp_
     env["CUDA_VISIBLE_DEVICES"] = ""
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    lines = [line for line in out.stdout.splitlines() if line.startswith("refused:")]
-    assert len(lines) == 2 and all("set after" in line for line in lines), out.stdout + out.stderr[-2000:]
+    refused = [line for line in out.stdout.splitlines() if line.startswith("refused:")]
+    assert len(refused) == 2 and all("set after triton was imported" in r for r in refused), out.stdout + out.stderr[-2000:]
+
+    off = tmp_path / "off.py"
+    off.write_text(
+        "import torch, bigbatch\n"
+        "try:\n"
+        "    bigbatch.clip_loss(torch.randn(4, 3), torch.randn(4, 3), 2.0, backend='triton')\n"
+        "except ValueError as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    out = subprocess.run([sys.executable, str(off)], env={**env, "TRITON_INTERPRET": "false"}, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "refused: backend='triton' needs CUDA tensors" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "set after" not in out.stdout
 
 
 # ----------------------------------------------------------------------------- real GPU tests

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from typing import Dict, Optional, Union
 
 import torch
@@ -33,35 +34,51 @@ def triton_available() -> bool:
 
 
 def triton_interpreted() -> bool:
-    """Whether Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether ``TRITON_INTERPRET`` asks for Triton's CPU interpreter now (read as Triton reads it)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes", "y")
 
 
-# kernel module -> whether TRITON_INTERPRET was set when it was imported: @triton.jit decides at
-# decoration whether a kernel is interpreted, so setting the variable later does not reach it
+# @triton.jit decides at decoration (the kernel module's import) whether a kernel is interpreted:
+# setting TRITON_INTERPRET later does not reach it. Kernel module -> whether its kernels are.
 _KERNELS_INTERPRETED: Dict[str, bool] = {}
+_OP_KERNELS = {"softmax": ("bigbatch.backends.triton_softmax_fwd", "bigbatch.backends.triton_softmax_bwd"),
+               "sigmoid": ("bigbatch.backends.triton_sigmoid",)}
 
 
-def kernels_imported(module: str) -> None:
-    """Called by each module that defines Triton kernels, when it is imported."""
-    _KERNELS_INTERPRETED[module] = triton_interpreted()
+def kernels_imported(module: str, kernel: object) -> None:
+    """Called by each module that defines Triton kernels, at its import, with one of them."""
+    _KERNELS_INTERPRETED[module] = type(kernel).__name__ == "InterpretedFunction"
 
 
-def _late_interpreter(device: torch.device) -> str:
-    """The reason a CPU device is refused although TRITON_INTERPRET=1 is set now, or ''."""
-    if device.type == "cpu" and triton_interpreted() and not all(_KERNELS_INTERPRETED.values()):
-        return ("; TRITON_INTERPRET=1 was set after bigbatch's Triton kernels were imported (Triton fixes "
-                "it at import): set it before the first Triton call")
+def _interpreted(op: str) -> bool:
+    """Whether ``op``'s kernels run interpreted: TRITON_INTERPRET asks for it now, and they were
+    imported under it (or are not imported yet).
+    Triton's own library functions (``tl.cdiv``, ``tl.max``) are decorated when triton is imported:
+    imported without the interpreter, interpreted kernels calling them fail ("Cannot call
+    @triton.jit'd outside of the scope of a kernel")."""
+    if not triton_interpreted():
+        return False
+    library = getattr(sys.modules.get("triton.language.standard"), "cdiv", None)
+    if library is not None and type(library).__name__ != "InterpretedFunction":
+        return False
+    return all(_KERNELS_INTERPRETED.get(m, True) for m in _OP_KERNELS[op])
+
+
+def _late_interpreter(device: torch.device, op: str) -> str:
+    """Why a CPU device is refused although TRITON_INTERPRET asks for the interpreter now, or ''."""
+    if device.type == "cpu" and triton_interpreted() and not _interpreted(op):  # (imported without it)
+        return ("; TRITON_INTERPRET was set after triton was imported (Triton fixes it at import): set it "
+                "before anything imports triton")
     return ""
 
 
-def triton_runs_on(device: torch.device) -> bool:
-    """Whether the Triton backends can run on ``device``: CUDA, or the CPU when the kernels are (or,
-    not imported yet, will be) interpreted."""
+def triton_runs_on(device: torch.device, op: str = "softmax") -> bool:
+    """Whether ``op``'s Triton backend ("softmax" or "sigmoid") can run on ``device``: CUDA, or the
+    CPU when its kernels are (or, not imported yet, will be) interpreted."""
     device = torch.device(device)
     if device.type == "cuda":
         return True
-    return device.type == "cpu" and triton_interpreted() and all(_KERNELS_INTERPRETED.values())
+    return device.type == "cpu" and _interpreted(op)
 
 
 # Per op: (protocol, what a backend object must be, torch class).
@@ -104,7 +121,7 @@ def resolve_backend(
     if not isinstance(backend, str):
         if isinstance(backend, protocol):
             if not backend.supports(device):
-                raise ValueError(f"backend {backend.name!r} cannot run on device {device}" + _late_interpreter(device))
+                raise ValueError(f"backend {backend.name!r} cannot run on device {device}" + _late_interpreter(device, op))
             return backend
         raise TypeError(f"backend must be one of {BACKEND_NAMES} or {what}, got {type(backend).__name__}")
     if backend not in BACKEND_NAMES:
@@ -116,10 +133,10 @@ def resolve_backend(
     if backend == "triton":
         # checked before the kernel module is imported: Triton fixes at @triton.jit time whether a
         # kernel is interpreted, so importing it under the wrong setting would stick for the process
-        if not triton_runs_on(device):
+        if not triton_runs_on(device, op):
             raise ValueError(
                 f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), "
-                f"got tensors on {device}" + _late_interpreter(device)
+                f"got tensors on {device}" + _late_interpreter(device, op)
             )
         if dtype == torch.float64:
             raise ValueError("backend='triton' takes float16/bfloat16/float32 features, got float64; use backend='torch'")

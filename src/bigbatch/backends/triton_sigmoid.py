@@ -36,7 +36,6 @@ from .torch_tiles import blocks
 _AUTO_TILE_BYTES = {"cuda": 1 << 29, "cpu": 1 << 16}
 
 
-kernels_imported(__name__)  # (interpreted or compiled, fixed now)
 
 @triton.jit
 def _exp2(x, FAST: tl.constexpr):
@@ -139,6 +138,9 @@ def _siglip_tile_kernel(
             tl.store(g_ptrs, g.to(G.dtype.element_ty))
 
 
+kernels_imported(__name__, _siglip_tile_kernel)  # interpreted or compiled: fixed by @triton.jit at import
+
+
 _PRECISIONS = ("ieee", "tf32")
 
 
@@ -205,7 +207,7 @@ class TritonSigmoid:
             raise TypeError(f"TritonSigmoid: fast_math must be a bool, got {self.fast_math!r}")
 
     def supports(self, device: torch.device) -> bool:
-        return triton_runs_on(device)
+        return triton_runs_on(device, "sigmoid")
 
     def _config(self, dtype: torch.dtype, device: torch.device) -> Tuple[int, int, int, int, int, int]:
         if self.block is not None:

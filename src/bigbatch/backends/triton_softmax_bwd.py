@@ -24,7 +24,6 @@ import triton.language as tl
 from . import kernels_imported
 from .triton_softmax_fwd import LOG2E, _tile_logits2
 
-kernels_imported(__name__)  # (interpreted or compiled, fixed now)
 
 
 @triton.jit
@@ -92,6 +91,9 @@ def dlogits_kernel(
         # A row-major copy of dS.T: the dk product then reads both operands K-major (fp32/TF32
         # tensor-core products need that on Hopper).
         tl.store(dst_ptr + cols.to(tl.int64)[None, :] * stride_dst + rows[:, None], out, mask=mask)
+
+
+kernels_imported(__name__, dlogits_kernel)  # interpreted or compiled: fixed by @triton.jit at import
 
 
 @triton.jit

@@ -59,8 +59,14 @@ def parse_memory(value: MemoryArg, name: str = "memory_budget") -> Optional[int]
         return None
     if isinstance(value, bool):
         raise TypeError(f"{name} must be bytes (int) or a string like '16GiB', got bool")
-    if isinstance(value, numbers.Real) and not isinstance(value, (str, bytes)):  # numpy numbers too
-        if not math.isfinite(value):
+    if isinstance(value, numbers.Integral):  # numpy integers too
+        out = int(value)
+    elif isinstance(value, numbers.Real):
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # a Fraction beyond a float's range: a finite, huge number of bytes
+            finite = True
+        if not finite:
             raise ValueError(f"{name} must be a finite number of bytes, got {value!r}")
         out = int(value)
     elif isinstance(value, str):

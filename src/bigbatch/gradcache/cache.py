@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from .head import attach_head
 from .budget import ChunkProber, MemoryArg, in_use_at_start, offloads, parse_memory, planning_budget, probe_cost
-from .chunking import batch_size, check_offload_target, check_split_rows, chunk_rows, model_device, pin, split_chunks
+from .chunking import batch_size, check_offload_target, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, backprop, encode, finalize_plan
 from .inputs import backward_into_originals, inputs_require_grad, with_boundaries
 from .wrappers import (DDP_SYNC_MODES, check_loss_params_outside_ddp, check_not_fsdp, check_not_parametrize_cached,
@@ -324,12 +324,9 @@ class GradCache:
             if self.split_input_fn is None:  # the built-in split needs batched tensors it can see
                 batch_size(x, f"inputs[{i}]", hint="pass split_input_fn= to split another type")
             ddps = ddp_modules(m)
-            mine = [Unit(i, m, chunk, chunk_rows(chunk, self.split_input_fn is not None, f"a chunk of inputs[{i}]"),
-                         rerun=trainable[i], ddps=ddps)
-                    for chunk in split_chunks(x, c, split_input_fn=self.split_input_fn, from_budget=self.chunk_sizes is None)]
-            if self.split_input_fn is not None:
-                check_split_rows(x, [u.rows for u in mine], f"inputs[{i}]")
-            units += mine
+            for chunk in split_chunks(x, c, split_input_fn=self.split_input_fn, from_budget=self.chunk_sizes is None):
+                units.append(Unit(i, m, chunk, chunk_rows(chunk, self.split_input_fn is not None, f"a chunk of inputs[{i}]"),
+                                  rerun=trainable[i], ddps=ddps))
         self._plan_keep(units, costs, usable, trainable)
         finalize_plan(units)
         self.last_chunk_sizes, self.last_kept = sizes, sum(u.keep for u in units)
@@ -342,8 +339,9 @@ class GradCache:
             self.last_chunk_rows = [[u.rows for u in units if u.input_index == i] for i in range(len(inputs))]
             self.last_kept_rows = [sum(u.rows for u in units if u.keep and u.input_index == i) for i in range(len(inputs))]
             for i, (r, t) in enumerate(zip(reps, trainable)):
-                if t and not r.is_floating_point():
-                    raise TypeError(f"get_rep_fn must return a floating tensor (input {i}'s representation is {r.dtype})")
+                if t and not (r.is_floating_point() or r.is_complex()):
+                    raise TypeError(f"get_rep_fn must return a floating or complex tensor (input {i}'s representation "
+                                    f"is {r.dtype})")
             leaves = [r.detach().requires_grad_(t) for r, t in zip(reps, trainable)]
             device = leaves[0].device
             amp = torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast_dtype else _null()

@@ -141,21 +141,6 @@ def split_chunks(x: Any, chunk: int, *, split_input_fn: Optional[Callable[[Any, 
     return split_batch(x, chunk, short_first=True)
 
 
-def check_split_rows(x: Any, rows: Sequence[Optional[int]], name: str) -> None:
-    """``split_input_fn``'s chunks of ``x`` must hold its rows, each once: where ``x`` has a batch
-    size and every chunk's rows are known, they add up to it (a split dropping the last rows -- an
-    off-by-one -- gave the loss fewer rows than the batch, without a word)."""
-    if any(r is None for r in rows):
-        return
-    try:
-        b = batch_size(x)
-    except ValueError:  # a custom input type: its rows are its chunks'
-        return
-    if sum(rows) != b:
-        raise ValueError(f"split_input_fn split {name} of {b} rows into chunks of {list(rows)} rows "
-                         f"({sum(rows)} in all): the chunks must hold every row once")
-
-
 def _per_row_lookalike(v: Any, b: int) -> bool:
     """A list or tuple without tensors or a numpy-like array of exactly ``b`` items: it cannot be
     told from per-row values, which repeating in every chunk would get wrong. A ``torch.Size`` and

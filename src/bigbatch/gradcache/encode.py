@@ -24,7 +24,7 @@ from .._autograd import refuse_batched, refuse_create_graph
 from .head import attach_head
 from .budget import ChunkProber, MemoryArg, in_use_at_start, offloads, parse_memory, planning_budget, probe_cost
 from .cache import _BUDGET_FRACTION, _identity, check_callables, check_options, default_budget
-from .chunking import batch_size, check_offload_target, check_split_rows, chunk_rows, model_device, pin, split_chunks
+from .chunking import batch_size, check_offload_target, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, _autocast, backprop, encode, finalize_plan
 from .inputs import Pairs, inputs_require_grad, with_boundaries
 from .wrappers import (check_not_fsdp, check_not_parametrize_cached, ddp_modules, is_model_list, warn_user,
@@ -183,8 +183,6 @@ def cached_encode(
     chunks = split_chunks(bounded, chunk_size, split_input_fn=split_input_fn, from_budget=sized_from_budget)
     ddps = ddp_modules(model)
     units = [Unit(0, model, c, chunk_rows(c, split_input_fn is not None, "a chunk of inputs"), ddps=ddps) for c in chunks]
-    if split_input_fn is not None:
-        check_split_rows(bounded, [u.rows for u in units], "inputs")
     # no autocast at the forward: none in the backward's re-runs either, whatever region it runs in
     opts = EngineOptions(get_rep, autocast_dtype, offload_inputs, offload_reps, ddp_sync, inherit_autocast=False,
                          check_plain_ddp=needs_grad and bool(ddps))

@@ -61,11 +61,11 @@ class ModelState:
                     "propagated: step the optimizer after the backward")
             raise RuntimeError(
                 f"parameters of the encoder were modified in place after {what} and before the backward "
-                f"({names}; e.g. an optimizer step, or the loss writing one, such as a logit-scale clamp "
-                "under no_grad): the chunks would be re-run with the new values, a gradient of another "
-                "forward than the loss's (a plain graph raises where it saved such a weight): back-propagate "
-                "first, then update the parameters. Every parameter of the model is checked, one its forward "
-                "does not use too: a parameter the loss writes (a logit scale) belongs outside the encoders")
+                f"({names}; e.g. an optimizer step): the chunks would be re-run with the new values, a "
+                "gradient of another forward than the loss's (a plain graph raises where it saved such a "
+                "weight): back-propagate first, then update the parameters. (Every parameter of the model "
+                "is checked, also one its forward does not use: a logit scale that the loss clamps in place "
+                "belongs outside the encoders, or is clamped after the backward.)")
 
     @contextlib.contextmanager
     def modes_restored(self) -> Iterator[None]:
