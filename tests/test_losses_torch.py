@@ -39,6 +39,39 @@ def _clip_ref64(q, k, scale):
     return (loss, *_grads(loss, (q64, k64, s64)))
 
 
+def _loops_infonce(q, k, scale, labels):
+    """The definition in plain Python: per query row, log(sum_j exp(s * q_i.k_j)) - s * q_i.k_label."""
+    out = []
+    for i in range(len(q)):
+        logits = [scale * sum(a * b for a, b in zip(q[i], k[j])) for j in range(len(k))]
+        top = max(logits)
+        out.append(top + math.log(sum(math.exp(x - top) for x in logits)) - logits[labels[i]])
+    return out
+
+
+def test_the_reference_is_the_definition():
+    """reference.py is the truth the other tests compare to: checked here against the definition
+    written out in plain Python (no torch ops), so that an error in it cannot hide behind a test
+    comparing it with itself; its gradients against finite differences (gradcheck)."""
+    g = torch.Generator().manual_seed(11)
+    b, n, d, scale = 5, 8, 3, 2.5
+    q, k = torch.randn(b, d, generator=g, dtype=torch.float64), torch.randn(n, d, generator=g, dtype=torch.float64)
+    labels = torch.tensor([3, 0, 7, 7, 1])
+    rows = _loops_infonce(q.tolist(), k.tolist(), scale, labels.tolist())
+    got = reference.infonce_loss(q, k, scale, labels=labels, reduction="none")
+    assert torch.allclose(got, torch.tensor(rows, dtype=torch.float64), rtol=1e-13, atol=0)
+    assert math.isclose(reference.infonce_loss(q, k, scale, labels=labels).item(), sum(rows) / b, rel_tol=1e-13)
+    a, t = q, k[:b]
+    i2t = _loops_infonce(a.tolist(), t.tolist(), scale, list(range(b)))
+    t2i = _loops_infonce(t.tolist(), a.tolist(), scale, list(range(b)))
+    assert math.isclose(reference.clip_loss(a, t, scale).item(), (sum(i2t) + sum(t2i)) / (2 * b), rel_tol=1e-13)
+    s = torch.tensor(scale, dtype=torch.float64, requires_grad=True)
+    a, t = a.clone().requires_grad_(), t.clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, y, z: reference.clip_loss(x, y, z), (a, t, s))
+    assert torch.autograd.gradcheck(lambda x, y, z: reference.infonce_loss(x, y, z, labels=labels),
+                                    (a, k.clone().requires_grad_(), s))
+
+
 @pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
 def test_clip_matches_float64(backend, dtype, tol):

@@ -21,6 +21,7 @@ from bigbatch.backends import resolve_backend
 
 triton = pytest.importorskip("triton")
 from bigbatch.backends.triton_softmax import TritonTiles  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from helpers import TRITON_DEVICE, assert_rel, features, rel_err  # noqa: E402
 
@@ -326,6 +327,39 @@ def test_bad_arguments():
 def test_registry_resolves_triton():
     be = resolve_backend("triton", torch.device(DEVICE))
     assert isinstance(be, TritonTiles) and be.supports(torch.device(DEVICE))
+
+
+def test_ds_kernel_adds_the_positive_term_before_rounding_into_a_half_workspace():
+    """Near convergence the positive term (-1/B at j = label_i) and the softmax terms (~P_ii/B)
+    cancel to ~1e-2 of either: rounding the softmax terms to a bf16 workspace before adding the
+    positive term lost ~20% of dS on the diagonal. On the CPU the backend's workspace is fp32, so
+    the dS kernel is called here directly with a bf16 output: each entry must be the exact dS
+    rounded once (one bf16 ulp, 2^-7: the interpreter truncates), the diagonal included."""
+    from bigbatch.backends.triton_softmax_bwd import dlogits_kernel
+
+    b, d, scale = 32, 16, 11.0
+    g = torch.Generator().manual_seed(7)
+    q = torch.nn.functional.normalize(torch.randn(b, d, generator=g, dtype=torch.float64), dim=1)
+    k = torch.nn.functional.normalize(q + 0.05 * torch.randn(b, d, generator=g, dtype=torch.float64), dim=1)
+    logits = scale * q @ k.t()
+    lse_r, lse_c = logits.logsumexp(1), logits.logsumexp(0)
+    g_r = torch.full((b,), 0.5 / b, dtype=torch.float64)  # the CLIP mean: both directions, -1/B at the positive
+    g_c = g_r.clone()
+    g_p = torch.full((b,), -1.0 / b, dtype=torch.float64)
+    want = (torch.exp(logits - lse_r[:, None]) * g_r[:, None] + torch.exp(logits - lse_c[None, :]) * g_c[None, :]
+            + torch.diag(g_p))
+    assert want.diag().abs().mean() < 0.05 / b  # near convergence: the diagonal cancels to a few %
+    f32 = dict(dtype=torch.float32, device=DEVICE)
+    ds = torch.full((b, b), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    sc = torch.tensor(scale, **f32)
+    dlogits_kernel[(b // 16, b // 16)](
+        q.to(**f32), k.to(**f32), sc, lse_r.to(**f32), lse_c.to(**f32), g_r.to(**f32), g_c.to(**f32),
+        torch.arange(b, device=DEVICE), g_p.to(**f32), ds, ds, b, b, d, 0, d, d, b, 0,
+        HAS_ROW=True, HAS_COL=True, HAS_POS=True, BLOCK_M=16, BLOCK_N=16, BLOCK_D=16,
+        DOT_DTYPE=tl.float32, PRECISION="ieee", ONE_EXP=False, WRITE_T=False, EVEN=True,
+    )
+    err = (ds.double().cpu() - want).abs() / want.abs().clamp_min(1e-30)
+    assert err.diag().max() < 2 ** -6 and err.max() < 2 ** -6, (err.diag().max().item(), err.max().item())
 
 
 def test_interpreter_set_after_the_kernels_were_imported_is_refused_clearly(tmp_path):
