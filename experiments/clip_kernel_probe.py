@@ -7,7 +7,7 @@ Backward (``lse_grad``): the two gradient products as two Triton launches, one p
 or cuBLAS, for several super-tile shapes and product block shapes.
 Every variant is checked against float64 at a small B before it is timed.
 
-    python experiments/clip_kernel_probe.py --out results/clip_kernel_probe.json
+    python experiments/clip_kernel_probe.py --out /tmp/clip_kernel_probe.json
 """
 
 from __future__ import annotations

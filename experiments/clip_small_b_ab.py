@@ -3,7 +3,7 @@
 At B = 8192 a step takes a few ms, so kernel-variant differences and the inf-cl ratio are
 measured side by side with many repeats (CUDA-event medians).
 
-    python experiments/clip_small_b_ab.py --out results/clip_small_b_ab.json
+    python experiments/clip_small_b_ab.py --out /tmp/clip_small_b_ab.json
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ def run_case(c: dict) -> dict:
     return {"errs": errs, "ok": dtype_ok and all(v <= tol for v in errs.values()), "tol": tol, "grad_dtypes_ok": dtype_ok}
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--seconds", type=float, default=150.0)
     p.add_argument("--seed", type=int, default=0)
@@ -124,6 +124,8 @@ def main() -> None:
         except Exception as exc:  # a crash is a failure, recorded with its traceback
             c.update({"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]})
         cases.append(c)
+        if len(cases) % 50 == 0:
+            print(f"{len(cases)} cases, {sum(not x['ok'] for x in cases)} outside tolerance so far", flush=True)
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     failed = [c for c in cases if not c["ok"]]
@@ -139,7 +141,8 @@ def main() -> None:
     print(f"{len(cases)} cases, {len(failed)} failed; worst: {json.dumps(worst)}")
     for c in failed[:20]:
         print({k: c.get(k) for k in ("loss", "backend", "dtype", "b", "n", "d", "labels", "noncontig", "errs", "error")})
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -18,7 +18,7 @@ Part 2: the encoders alone, forward + backward and no-grad forward, per chunk si
 2,048 rows (the chunks are consecutive full chunks of one 2,048-row batch): is a chunk size
 slow for its shape, beyond the cost of having more chunks?
 
-    python experiments/gradcache_chunk_shape_probe.py --out results/gradcache_chunk_shape.json
+    python experiments/gradcache_chunk_shape_probe.py --out /tmp/gradcache_chunk_shape.json
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ while the GPU runs chunk i's backward. Model-specific (the hook point is BERT's 
 it is a measurement, not a library feature. Checks that the gradients equal the default step's
 and records the peak memory (the next chunk's embeddings live during the backward).
 
-    cd experiments && python gradcache_deferred_backward_probe.py --out ../results/deferred.json
+    cd experiments && python gradcache_deferred_backward_probe.py --out /tmp/deferred.json
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ step and the cached step with the fused path on and off, interleaved over severa
 (CUDA-event medians); then, per variant, one profiled call: GPU busy time (union of kernel
 intervals), idle time inside the step, kernel count and the host's issue time.
 
-    python experiments/gradcache_fused_ab.py --out results/gradcache_fused_ab.json
+    python experiments/gradcache_fused_ab.py --out /tmp/gradcache_fused_ab.json
 """
 
 from __future__ import annotations

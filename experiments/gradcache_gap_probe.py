@@ -7,7 +7,7 @@ GPU was waiting to receive) and by size; and host ranges (pass 1 per model, the 
 from ``record_function`` marks placed by wrapping the engine's functions, so each gap is also
 attributed to the phase whose host range covers it.
 
-    cd experiments && python gradcache_gap_probe.py --out ../results/gradcache_gaps.json
+    cd experiments && python gradcache_gap_probe.py --out /tmp/gradcache_gaps.json
 """
 
 from __future__ import annotations

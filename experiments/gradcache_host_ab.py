@@ -10,7 +10,7 @@ The setting of ``bigbatch.bench.gradcache``. Variants, interleaved with the full
 * ``f98``: chunks planned against 98% of the budget instead of 95% (larger chunks; its peak is
   recorded, it must stay under 16 GiB).
 
-    cd experiments && python gradcache_host_ab.py --out ../results/gradcache_host_ab.json
+    cd experiments && python gradcache_host_ab.py --out /tmp/gradcache_host_ab.json
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ them. Variants: the passage encoder's forward + backward and no-grad forward, wh
 back to the host once per forward; the full step and ``bigbatch.GradCache`` at 16 GiB; and the
 bound that CUDA-graph replay of a chunk's forward + backward would give.
 
-    python experiments/gradcache_idle_probe.py --out results/gradcache_idle_probe.json
+    python experiments/gradcache_idle_probe.py --out /tmp/gradcache_idle_probe.json
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ and passages 128 tokens). Times, in one process: the full step; bigbatch.GradCac
 forward + backward, whole batch vs chunks). Then a torch.profiler trace of one full step and
 one cached step: GPU kernel time vs wall time (is the GPU idle?) and the top kernels.
 
-    python experiments/gradcache_profile.py --b 2048 --out results/gradcache_profile.json
+    python experiments/gradcache_profile.py --b 2048 --out /tmp/gradcache_profile.json
 """
 
 from __future__ import annotations

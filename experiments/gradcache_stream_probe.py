@@ -14,7 +14,7 @@ chunks of 1003 + 1045 rows, passages in 7 no-grad chunks of 253/254 rows (the 8t
 the kept graph, not part of this comparison). Each model's first chunk runs on the main stream
 (it makes autocast's cached bf16 weights, which the side streams then wait for).
 
-    python experiments/gradcache_stream_probe.py --out results/gradcache_stream_probe.json
+    python experiments/gradcache_stream_probe.py --out /tmp/gradcache_stream_probe.json
 """
 
 from __future__ import annotations

@@ -47,3 +47,51 @@ def test_memory_bench_options_are_checked(args, needle, capsys, tmp_path):
         memory_main([*args, "--out", str(tmp_path / "m.json")])
     assert exc.value.code == 2 and needle in capsys.readouterr().err
     assert not (tmp_path / "m.json").exists()
+
+
+def test_only_the_committed_grid_writes_the_committed_results(tmp_path, monkeypatch, capsys):
+    """`clip --tune`, `siglip --batch 8192 65536`, `memory --batches ...` (their docstrings' own
+    examples) and `ring --cpu-smoke` on a GPU host wrote over the committed JSON the README's tables
+    come from: any run off the committed grid now writes to the temporary directory unless --out says."""
+    import argparse
+
+    from bigbatch.bench.common import output_path
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--tune", action="store_true")
+    p.add_argument("--out", default=None)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    assert output_path(p, p.parse_args([]), "benchmarks/results/x.json", "x.json", ["batch", "tune"]) == "benchmarks/results/x.json"
+    for argv in (["--batch", "2"], ["--tune"]):
+        assert output_path(p, p.parse_args(argv), "benchmarks/results/x.json", "x.json", ["batch", "tune"]) == str(tmp_path / "x.json")
+    assert "--batch differs" in capsys.readouterr().out
+    assert output_path(p, p.parse_args([]), "benchmarks/results/x.json", "x.json", ["batch"], canonical=False) == str(tmp_path / "x.json")
+    assert output_path(p, p.parse_args(["--tune", "--out", "mine.json"]), "c.json", "x.json", ["tune"]) == "mine.json"
+
+
+@pytest.mark.parametrize("argv", [["--batch", "0"], ["--dim", "-3"], ["--repeat", "0"], ["--batch", "x"]])
+def test_siglip_and_ring_refuse_non_positive_sizes(argv, monkeypatch):
+    """They crashed after the process group started (ZeroDivisionError, StatisticsError, SIGABRT)."""
+    from bigbatch.bench import ring, siglip
+
+    with pytest.raises(SystemExit) as exc:
+        siglip.main(argv)
+    assert exc.value.code == 2
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ring_argv = [a.replace("--batch", "--batches") for a in argv]
+    with pytest.raises(SystemExit) as exc:
+        ring.main(ring_argv)
+    assert exc.value.code == 2
+
+
+def test_ring_refuses_a_batch_the_ranks_cannot_share(monkeypatch, capsys):
+    """Each rank took B // world rows: at B = 3 on 2 ranks the ring timed 2 rows against a 3-row baseline."""
+    from bigbatch.bench import ring
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exc:
+        ring.main(["--batches", "4", "3", "--cpu-smoke"])
+    assert exc.value.code == 2 and "not divisible by the number of processes (2)" in capsys.readouterr().err

@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from .common import cuda_time_ms, hardware, matmul_tflops, measure, write_json
+from .common import cuda_time_ms, hardware, matmul_tflops, measure, output_path, write_json
 
 IMPLS = ("naive", "infcl", "torch", "triton")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -391,7 +391,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--max-est-s", type=float, default=30.0, help="skip cases estimated to take longer per call")
-    p.add_argument("--out", default="benchmarks/results/clip_h200.json")
+    p.add_argument("--out", default=None,
+                   help="JSON path (default benchmarks/results/clip_h200.json for the default grid, else a temporary file)")
     p.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
     p.add_argument("--tune", action="store_true", help="sweep the Triton kernels' block shapes instead")
     p.add_argument("--tune-batch", type=int, default=32768)
@@ -412,6 +413,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("bigbatch.bench.clip needs a CUDA GPU", file=sys.stderr)
         return 2
+    args.out = output_path(p, args, "benchmarks/results/clip_h200.json", "clip_tune.json" if args.tune else "clip.json",
+                           ["batch", "dims", "dtypes", "impls", "precision", "max_est_s", "tune", "ab"])
     if args.tune:
         write_json(args.out, _tune(args))
         print(f"wrote {args.out}")

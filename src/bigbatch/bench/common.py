@@ -4,12 +4,14 @@ and JSON output that names the hardware."""
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import math
 import os
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -125,4 +127,32 @@ def write_json(path: os.PathLike, payload: Dict[str, Any]) -> Path:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(finite_or_null(payload), indent=2, sort_keys=True, allow_nan=False))
     tmp.replace(path)
+    return path
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a positive integer (sizes, repeats), refused with a clear message."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def output_path(parser: argparse.ArgumentParser, args: argparse.Namespace, committed: str, scratch: str,
+                measured: List[str], canonical: bool = True) -> str:
+    """Where a run writes its JSON: ``args.out`` when given; else ``committed`` (the results file the
+    README's tables come from) only for the canonical run -- every option in ``measured`` at its
+    default, and ``canonical`` -- and ``scratch`` in the temporary directory for any other run (a
+    subset of the grid, a tuning sweep, a smoke test), so that none replaces the committed numbers."""
+    if getattr(args, "out", None):
+        return str(args.out)
+    changed = [k for k in measured if getattr(args, k) != parser.get_default(k)]
+    if canonical and not changed:
+        return committed
+    path = os.path.join(tempfile.gettempdir(), scratch)
+    why = f"--{changed[0].replace('_', '-')} differs from the committed run's" if changed else "not the committed run"
+    print(f"({why}: writing {path}; --out chooses the path)", flush=True)
     return path

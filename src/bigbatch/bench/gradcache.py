@@ -174,7 +174,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     _log(f"public GradCache: {note}")
 
     # -- correctness on this device: same dropout masks, bf16 autocast ------------------------
-    b0 = 64 if not args.tiny else 16
+    b0 = 64 if not args.tiny else 24  # (tiny: 2 chunks of 16, a re-run checked too)
     qi, pi = _inputs(b0, args.q_len, cfg.vocab_size, device, 1), _inputs(b0, args.p_len, cfg.vocab_size, device, 2)
     def grads():
         return torch.cat([t.grad.float().flatten() for t in params])

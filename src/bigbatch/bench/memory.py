@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from .common import hardware, write_json
+from .common import hardware, output_path, positive_int, write_json
 
 # Live fp32 B x B matrices during the reference's forward+backward (logits, softmax of
 # each direction, their gradients): an estimate used only to skip cases that cannot fit.
@@ -109,16 +109,6 @@ def plot(results: List[Dict[str, Any]], path: Path) -> Optional[Path]:
     return path
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def _cases(text: str) -> List[Tuple[int, int]]:
     """``"32768x64,4096x8"`` -> ``[(32768, 64), (4096, 8)]``; ``""`` -> ``[]``."""
     out = []
@@ -126,24 +116,27 @@ def _cases(text: str) -> List[Tuple[int, int]]:
         parts = case.lower().split("x")
         if len(parts) != 2:
             raise argparse.ArgumentTypeError(f"expected BxD cases like 32768x64, got {case!r}")
-        out.append((_positive(parts[0]), _positive(parts[1])))
+        out.append((positive_int(parts[0]), positive_int(parts[1])))
     return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="bigbatch bench memory", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=_positive, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
-    parser.add_argument("--dims", type=_positive, nargs="+", default=[128])
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
+    parser.add_argument("--dims", type=positive_int, nargs="+", default=[128])
     parser.add_argument("--impls", nargs="+", default=["reference", "torch"], choices=["reference", "torch"])
     parser.add_argument("--extra", type=_cases, default="32768x64",
                         help="extra BxD cases, comma separated, e.g. 32768x64,4096x8 ('' for none)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/memory_cpu.json"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON path (default benchmarks/results/memory_cpu.json for the default grid, else a temporary file)")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         impl, b, d, seed = args.child
         print(json.dumps(_child(impl, int(b), int(d), int(seed))))
         return 0
+    out = Path(output_path(parser, args, "benchmarks/results/memory_cpu.json", "memory_cpu.json",
+                           ["batches", "dims", "impls", "extra"]))
     grid = [(b, d) for d in args.dims for b in args.batches]
     grid += args.extra
     results = []
@@ -154,9 +147,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             shown = f"{case['growth_mib']:9.1f} MiB in {case['seconds']:6.1f} s" if case["status"] == "ok" else case.get("reason", case["status"])
             print(f"B={b:>7} D={d:>4} {impl:>9}: {shown}", flush=True)
     payload = {"benchmark": "clip_loss forward+backward, peak RSS growth", "hardware": hardware(), "results": results}
-    write_json(args.out, payload)
-    png = plot(results, args.out.with_suffix(".png"))
-    print(f"wrote {args.out}" + (f" and {png}" if png else ""))
+    write_json(out, payload)
+    png = plot(results, out.with_suffix(".png"))
+    print(f"wrote {out}" + (f" and {png}" if png else ""))
     failed = [r for r in results if r["status"] == "failed"]
     return 1 if failed else 0
 

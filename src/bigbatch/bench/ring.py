@@ -26,14 +26,13 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from .common import cuda_time_ms, hardware, matmul_tflops, measure, wall_time_ms, write_json
+from .common import cuda_time_ms, hardware, matmul_tflops, measure, output_path, positive_int, wall_time_ms, write_json
 
 PEERS = ("ring", "gather", "infcl", "single", "compute")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -246,7 +245,7 @@ def _shift_bandwidth(device, b_local: int, d: int) -> Dict[str, Any]:
     return out
 
 
-def _summary(rows: List[Dict[str, Any]], world: int, rate: float) -> Dict[str, Any]:
+def _summary(rows: List[Dict[str, Any]], world: int, rate: Optional[float]) -> Dict[str, Any]:
     """Per global B: the ring (default backward chunk; the median over repeated measurements of
     it, if the peer list names it more than once) against the single GPU, inf-cl and gather."""
     from bigbatch.distributed.softmax import grad_chunk_rows
@@ -320,20 +319,20 @@ def merge_ranks(per_rank: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", type=int, nargs="+", default=BATCHES, help="global batch sizes (--cpu-smoke: 1024 2048)")
-    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--batches", type=positive_int, nargs="+", default=BATCHES, help="global batch sizes (--cpu-smoke: 1024 2048)")
+    p.add_argument("--dim", type=positive_int, default=512)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--peers", nargs="+", default=["ring", "single", "infcl", "gather"],
                    help=f"among {PEERS}; 'ring@N' / 'compute@N' use N rows per backward chunk")
     p.add_argument("--backend", default="auto", help="tile backend of the ring and the single-GPU baseline")
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--repeat-slow", type=int, default=1, help="repeats of inf-cl at B >= 131072")
+    p.add_argument("--repeat", type=positive_int, default=3)
+    p.add_argument("--repeat-slow", type=positive_int, default=1, help="repeats of inf-cl at B >= 131072")
     p.add_argument("--warm-s", type=float, default=0.0,
                    help="run the ring this many seconds before measuring (GPU clocks settle; run 2 of "
                         "ring_h200x2 saw the same ring at 588 ms cold and 486 ms warm)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check")
     p.add_argument("--cpu-smoke", action="store_true", help="run on CPUs with gloo (B 1024 and 2048 unless --batches; a smoke test; JSON in the temporary directory)")
-    p.add_argument("--check-batch", type=int, default=8192, help="global batch of the correctness check")
+    p.add_argument("--check-batch", type=positive_int, default=8192, help="global batch of the correctness check")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ring_h200x<n>.json)")
     args = p.parse_args(argv)
     for peer in args.peers:
@@ -346,8 +345,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if args.cpu_smoke and args.batches == BATCHES:  # tiny sizes unless asked otherwise
         args.batches = [1024, 2048]
+    world_env = int(os.environ["WORLD_SIZE"])
+    not_divisible = [b for b in args.batches if b % world_env]
+    if not_divisible:  # each rank takes B / world rows: the ring would measure fewer rows than the baseline
+        p.error(f"--batches {not_divisible} not divisible by the number of processes ({world_env})")
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not args.cpu_smoke:
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
         dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300), device_id=device)
@@ -362,10 +365,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     backend = _resolve(args.backend, device)
     _log(f"{world} ranks, backend {getattr(backend, 'name', backend)}, batches {args.batches}, D {args.dim}")
 
-    rate = matmul_tflops(torch.bfloat16) if device.type == "cuda" else 0.0
+    rate = matmul_tflops(torch.bfloat16) if device.type == "cuda" else None  # not measured on the CPU
     rates = [None] * world
     dist.all_gather_object(rates, rate)
-    _log(f"bf16 matmul TFLOP/s per rank: {[round(r) for r in rates]}")
+    _log(f"bf16 matmul TFLOP/s per rank: {[None if r is None else round(r) for r in rates]}")
     payload: Dict[str, Any] = {
         "benchmark": "ring", "world_size": world, "hardware": hardware(), "dtype": args.dtype, "D": args.dim,
         "backend": getattr(backend, "name", str(backend)), "matmul_bf16_tflops_per_rank": rates,
@@ -393,9 +396,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         payload["checks"] = checks
 
     gpu = torch.cuda.get_device_name(0).split()[-1].lower() if device.type == "cuda" else "cpu"
-    default = os.path.join(tempfile.gettempdir(), f"ring_cpux{world}.json") if device.type == "cpu" else \
-        os.path.join("benchmarks", "results", f"ring_{gpu}x{world}.json")  # a CPU smoke run never lands in the repo
-    out_path = args.out or default
+    # a CPU smoke run, or another grid than the committed run's, never lands in the repo
+    out_path = output_path(p, args, os.path.join("benchmarks", "results", f"ring_{gpu}x{world}.json"),
+                           f"ring_{gpu}x{world}.json", ["batches", "dim", "dtype", "peers", "backend"],
+                           canonical=device.type == "cuda") if rank == 0 else ""
     if args.warm_s > 0:
         import bigbatch
 
@@ -428,7 +432,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                  f"({time.time() - t0:.1f} s)")
             torch.cuda.empty_cache()
     payload["rows"] = rows
-    payload["summary"] = _summary(rows, world, min(rates))
+    payload["summary"] = _summary(rows, world, min(rates) if None not in rates else None)
     if rank == 0:
         write_json(out_path, payload)
         if os.path.exists(out_path + ".partial"):

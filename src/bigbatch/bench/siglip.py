@@ -24,13 +24,12 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 
-from .common import cuda_time_ms, hardware, matmul_tflops, measure, wall_time_ms, write_json
+from .common import cuda_time_ms, hardware, matmul_tflops, measure, output_path, positive_int, wall_time_ms, write_json
 
 IMPLS = ("naive", "torch", "triton")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -455,25 +454,31 @@ def plot(payload: Dict[str, Any], path: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, nargs="+", default=None,
+    p.add_argument("--batch", type=positive_int, nargs="+", default=None,
                    help="batch sizes (default 8192 .. 262144; with --cpu: 64)")
-    p.add_argument("--dim", type=int, default=None, help="feature dimension (default 512; with --cpu: 16)")
+    p.add_argument("--dim", type=positive_int, default=None, help="feature dimension (default 512; with --cpu: 16)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--naive-max", type=int, default=131072, help="largest B for the full-matrix peers")
-    p.add_argument("--torch-max", type=int, default=32768, help="largest B for the torch tiles")
-    p.add_argument("--check-batch", type=int, default=None,
+    p.add_argument("--repeat", type=positive_int, default=3)
+    p.add_argument("--naive-max", type=positive_int, default=131072, help="largest B for the full-matrix peers")
+    p.add_argument("--torch-max", type=positive_int, default=32768, help="largest B for the torch tiles")
+    p.add_argument("--check-batch", type=positive_int, default=None,
                    help="batch of the float64 correctness check (default 8192; with --cpu: 24)")
     p.add_argument("--tune", action="store_true", help="pick the kernel block config by timing a few")
-    p.add_argument("--tune-batch", type=int, default=65536)
+    p.add_argument("--tune-batch", type=positive_int, default=65536)
     p.add_argument("--ring", action="store_true", help="several GPUs under torchrun")
-    p.add_argument("--peer-max", type=int, default=65536,
+    p.add_argument("--peer-max", type=positive_int, default=65536,
                    help="--ring: largest local B for the neighbour-exchange and gather-full-matrix peers")
     p.add_argument("--cpu", action="store_true",
                    help="--ring only: a dry run of the ring path on CPU processes (gloo), tiny sizes")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/siglip_<kind>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/siglip_<kind>.json for the "
+                   "default sizes on GPUs, else a temporary file)")
     args = p.parse_args(argv)
+    world = os.environ.get("WORLD_SIZE", "2")
+    kind = f"siglip_ring_h200x{world}" if args.ring else "siglip_h200"
+    out = output_path(p, args, f"benchmarks/results/{kind}.json", "siglip_ring_cpu.json" if args.cpu else f"{kind}.json",
+                      ["batch", "dim", "dtype", "impls", "naive_max", "torch_max", "tune", "peer_max"],
+                      canonical=not args.cpu)
     # sizes not given: the GPU run's, or tiny ones for the CPU dry run (the GPU sizes need tens of GiB)
     for name, gpu, cpu in (("batch", [8192, 32768, 65536, 131072, 262144], [64]), ("dim", 512, 16),
                            ("check_batch", 8192, 24)):
@@ -492,14 +497,11 @@ def main(argv=None) -> int:
             return 2
         payload = ring(args)
         if payload is not None:
-            default = os.path.join(tempfile.gettempdir(), "siglip_ring_cpu.json") if args.cpu else \
-                "benchmarks/results/siglip_ring_h200x2.json"
-            path = args.out or default
-            write_json(path, payload)
-            print(f"wrote {path}", flush=True)
+            write_json(out, payload)
+            print(f"wrote {out}", flush=True)
         return 0
     payload = single_gpu(args)
-    path = args.out or "benchmarks/results/siglip_h200.json"
+    path = out
     write_json(path, payload)
     print(f"wrote {path}", flush=True)
     plot(payload, os.path.splitext(path)[0] + ".png")

@@ -187,9 +187,9 @@ def planning_budget(budget: int, fraction: float, cached: float, in_use: int = 0
     ``offload_reps`` would move them off the device, for the error's advice)."""
     if in_use >= budget:
         raise ValueError(
-            f"memory_budget of {size(budget)} is already taken by the {size(in_use)} "
-            "allocated before the step (weights, optimizer state, gradients) and the .grad tensors the step "
-            "creates (parameters whose .grad is None): raise it"
+            f"memory_budget of {size(budget)} is already taken by {size(in_use)}: the .grad tensors the step "
+            "creates (parameters whose .grad is None) and, on CUDA, what is allocated before the step "
+            "(weights, optimizer state, gradients): raise it"
         )
     usable = int((budget - in_use) * fraction - cached)
     if usable <= 0:
