@@ -60,9 +60,10 @@ def test_only_the_committed_grid_writes_the_committed_results(tmp_path, monkeypa
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, nargs="+", default=[1, 2])
     p.add_argument("--tune", action="store_true")
+    p.add_argument("--extra", type=lambda s: [int(x) for x in s.split(",")], default="3,4")  # a typed string default
     p.add_argument("--out", default=None)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    assert output_path(p, p.parse_args([]), "benchmarks/results/x.json", "x.json", ["batch", "tune"]) == "benchmarks/results/x.json"
+    assert output_path(p, p.parse_args([]), "benchmarks/results/x.json", "x.json", ["batch", "tune", "extra"]) == "benchmarks/results/x.json"
     for argv in (["--batch", "2"], ["--tune"]):
         assert output_path(p, p.parse_args(argv), "benchmarks/results/x.json", "x.json", ["batch", "tune"]) == str(tmp_path / "x.json")
     assert "--batch differs" in capsys.readouterr().out

@@ -149,7 +149,9 @@ def output_path(parser: argparse.ArgumentParser, args: argparse.Namespace, commi
     subset of the grid, a tuning sweep, a smoke test), so that none replaces the committed numbers."""
     if getattr(args, "out", None):
         return str(args.out)
-    changed = [k for k in measured if getattr(args, k) != parser.get_default(k)]
+    # the defaults as parsed (a string default goes through the option's type, e.g. memory's --extra)
+    defaults = vars(parser.parse_known_args([])[0])
+    changed = [k for k in measured if getattr(args, k) != defaults[k]]
     if canonical and not changed:
         return committed
     path = os.path.join(tempfile.gettempdir(), scratch)
