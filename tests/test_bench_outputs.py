@@ -96,3 +96,16 @@ def test_ring_refuses_a_batch_the_ranks_cannot_share(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         ring.main(["--batches", "4", "3", "--cpu-smoke"])
     assert exc.value.code == 2 and "not divisible by the number of processes (2)" in capsys.readouterr().err
+
+
+def test_the_benchmarks_default_runs_write_their_committed_files(monkeypatch):
+    """Their own default commands must still reach the committed JSON: memory's string default
+    --extra (parsed through its type) once sent the default grid to the temporary directory."""
+    from bigbatch.bench import memory
+
+    written = []
+    monkeypatch.setattr(memory, "run_case", lambda impl, b, d: {"status": "skipped", "reason": "test"})
+    monkeypatch.setattr(memory, "write_json", lambda path, payload: written.append(str(path)))
+    monkeypatch.setattr(memory, "plot", lambda results, path: None)
+    assert memory.main([]) == 0 and written[-1] == "benchmarks/results/memory_cpu.json"
+    assert memory.main(["--batches", "64"]) == 0 and written[-1] != "benchmarks/results/memory_cpu.json"

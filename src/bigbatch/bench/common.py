@@ -156,5 +156,6 @@ def output_path(parser: argparse.ArgumentParser, args: argparse.Namespace, commi
         return committed
     path = os.path.join(tempfile.gettempdir(), scratch)
     why = f"--{changed[0].replace('_', '-')} differs from the committed run's" if changed else "not the committed run"
-    print(f"({why}: writing {path}; --out chooses the path)", flush=True)
+    if os.environ.get("RANK", "0") == "0":  # once under torchrun
+        print(f"({why}: writing {path}; --out chooses the path)", flush=True)
     return path

@@ -18,17 +18,15 @@ from __future__ import annotations
 import argparse
 import gc as _gc
 import importlib.util
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .common import hardware, matmul_tflops, measure, wall_time_ms, write_json
+from .common import hardware, matmul_tflops, measure, output_path, wall_time_ms, write_json
 
 
 def _log(msg: str) -> None:
@@ -142,12 +140,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         # a CPU run would otherwise write the H200 results file with CPU numbers
         print("this benchmark needs a CUDA GPU (or --cpu / --tiny for a dry run)", file=sys.stderr)
         return 2
+    args.out = output_path(p, args, "benchmarks/results/gradcache_h200.json",
+                           "gradcache_dry_run.json" if dry else "gradcache_h200.json",
+                           ["batches", "budget", "public_chunk", "q_len", "p_len", "skip", "public_batches",
+                            "offload_batches"], canonical=not dry)
     if args.batches is None:
         args.batches = [16, 32] if args.tiny else [512, 1024, 2048, 8192]
     if args.offload_batches is None:
         args.offload_batches = [args.batches[-1]] if args.tiny else [8192]
-    if args.out is None:
-        args.out = os.path.join(tempfile.gettempdir(), "gradcache_dry_run.json") if dry else "benchmarks/results/gradcache_h200.json"
     if importlib.util.find_spec("transformers") is None:
         print("this benchmark's encoders are Hugging Face BertModels: pip install 'bigbatch[bench]'", file=sys.stderr)
         return 2
@@ -174,7 +174,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     _log(f"public GradCache: {note}")
 
     # -- correctness on this device: same dropout masks, bf16 autocast ------------------------
-    b0 = 64 if not args.tiny else 24  # (tiny: 2 chunks of 16, a re-run checked too)
+    b0 = 64 if not args.tiny else 24  # (tiny: chunks of 8 + 16, a re-run checked too)
     qi, pi = _inputs(b0, args.q_len, cfg.vocab_size, device, 1), _inputs(b0, args.p_len, cfg.vocab_size, device, 2)
     def grads():
         return torch.cat([t.grad.float().flatten() for t in params])

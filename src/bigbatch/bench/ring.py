@@ -333,7 +333,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--no-check", action="store_true", help="skip the correctness check")
     p.add_argument("--cpu-smoke", action="store_true", help="run on CPUs with gloo (B 1024 and 2048 unless --batches; a smoke test; JSON in the temporary directory)")
     p.add_argument("--check-batch", type=positive_int, default=8192, help="global batch of the correctness check")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ring_h200x<n>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ring_h200x<n>.json for the "
+                   "default grid on GPUs, else a temporary file)")
     args = p.parse_args(argv)
     for peer in args.peers:
         if peer.partition("@")[0] not in PEERS:
@@ -346,6 +347,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.cpu_smoke and args.batches == BATCHES:  # tiny sizes unless asked otherwise
         args.batches = [1024, 2048]
     world_env = int(os.environ["WORLD_SIZE"])
+    if not args.no_check and args.check_batch < 4 * world_env:  # each rank's uneven check shard must hold rows
+        p.error(f"--check-batch {args.check_batch} is too small for {world_env} processes (at least {4 * world_env})")
     not_divisible = [b for b in args.batches if b % world_env]
     if not_divisible:  # each rank takes B / world rows: the ring would measure fewer rows than the baseline
         p.error(f"--batches {not_divisible} not divisible by the number of processes ({world_env})")

@@ -452,10 +452,15 @@ def plot(payload: Dict[str, Any], path: str) -> None:
     print(f"wrote {path}", flush=True)
 
 
+# the committed runs' sizes: one GPU (global batches), the ring (local batches per GPU)
+_GRID = [8192, 32768, 65536, 131072, 262144]
+_RING_GRID = [32768, 65536, 131072, 262144]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=positive_int, nargs="+", default=None,
-                   help="batch sizes (default 8192 .. 262144; with --cpu: 64)")
+                   help="batch sizes (default 8192 .. 262144; --ring: local batches 32768 .. 262144; with --cpu: 64)")
     p.add_argument("--dim", type=positive_int, default=None, help="feature dimension (default 512; with --cpu: 16)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
@@ -474,14 +479,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/siglip_<kind>.json for the "
                    "default sizes on GPUs, else a temporary file)")
     args = p.parse_args(argv)
-    world = os.environ.get("WORLD_SIZE", "2")
-    kind = f"siglip_ring_h200x{world}" if args.ring else "siglip_h200"
-    out = output_path(p, args, f"benchmarks/results/{kind}.json", "siglip_ring_cpu.json" if args.cpu else f"{kind}.json",
-                      ["batch", "dim", "dtype", "impls", "naive_max", "torch_max", "tune", "peer_max"],
-                      canonical=not args.cpu)
-    # sizes not given: the GPU run's, or tiny ones for the CPU dry run (the GPU sizes need tens of GiB)
-    for name, gpu, cpu in (("batch", [8192, 32768, 65536, 131072, 262144], [64]), ("dim", 512, 16),
-                           ("check_batch", 8192, 24)):
+    # sizes not given: the committed GPU run's (one GPU, or the ring's local batches), or tiny ones for
+    # the CPU dry run (the GPU sizes need tens of GiB)
+    grid = _RING_GRID if args.ring else _GRID
+    for name, gpu, cpu in (("batch", grid, [64]), ("dim", 512, 16), ("check_batch", 8192, 24)):
         if getattr(args, name) is None:
             setattr(args, name, cpu if args.cpu else gpu)
     if args.cpu and not args.ring:
@@ -490,11 +491,15 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() and not args.cpu:
         print("this benchmark needs a CUDA GPU (or --ring --cpu for a dry run)", file=sys.stderr)
         return 2
+    if args.ring and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
+        print("--ring runs under torchrun: torchrun --nproc_per_node=N -m bigbatch.bench.siglip --ring ...",
+              file=sys.stderr)
+        return 2
+    kind = f"siglip_ring_h200x{os.environ.get('WORLD_SIZE')}" if args.ring else "siglip_h200"
+    out = output_path(p, args, f"benchmarks/results/{kind}.json", "siglip_ring_cpu.json" if args.cpu else f"{kind}.json",
+                      ["dtype", "impls", "naive_max", "torch_max", "tune", "peer_max"],
+                      canonical=not args.cpu and args.batch == grid and args.dim == 512)
     if args.ring:
-        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            print("--ring runs under torchrun: torchrun --nproc_per_node=N -m bigbatch.bench.siglip --ring ...",
-                  file=sys.stderr)
-            return 2
         payload = ring(args)
         if payload is not None:
             write_json(out, payload)

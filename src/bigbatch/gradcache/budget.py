@@ -197,7 +197,7 @@ def planning_budget(budget: int, fraction: float, cached: float, in_use: int = 0
         raise ValueError(
             f"memory_budget of {size(budget)} cannot hold the cached representations and their "
             f"gradients ({size(cached)}) and leave room for a chunk: {size(in_use)} of it go "
-            f"to what is allocated before the step and the .grad tensors the step creates, and "
+            f"to the .grad tensors the step creates and, on CUDA, what is allocated before the step, and "
             f"{(1 - fraction) * 100:.0f}% of the rest is slack; raise it well above {size(need)}"
             + (", or pass offload_reps=True to keep the representations on the CPU" if can_offload else "")
         )
