@@ -619,3 +619,48 @@ def test_repeated_positives_in_user_data_are_named(tmp_path, data):
                       dim=16, max_length=16, progress=False, out=str(tmp_path / "run2")),
           log=said.append, explicit=["data", "eval_data"])
     assert not any("repeat the positive" in s for s in said)
+
+
+def _stopped_run(tmp_path, data, **kw):
+    base = dict(data=str(data[0]), eval_data=str(data[1]), batch_size=64, chunk_size=16, steps=7, lr=0.02,
+                buckets=1024, dim=16, max_length=16, progress=False, save_every=2, eval_every=3, **kw)
+    train(TrainConfig(**base, out=str(tmp_path / "run")), stop_after=5, log=lambda s: None)
+    return base
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "state.pt", "rng-rank0.pt"])
+def test_a_damaged_checkpoint_is_named_with_the_one_to_fall_back_on(tmp_path, data, damaged):
+    """A truncated file in the newest checkpoint (a crash or power loss while it was written)
+    crashed --resume with SafetensorError / a zip-reader RuntimeError traceback."""
+    base = _stopped_run(tmp_path, data)
+    root = tmp_path / "run" / "checkpoints"
+    newest = root / (root / "latest").read_text().strip()
+    f = newest / damaged
+    f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2])
+    with pytest.raises(ValueError, match=rf"checkpoint file .*{damaged} cannot be read .*damaged or incomplete; "
+                                         r"to resume from the checkpoint before it, remove .* and write 'step-00000004'"):
+        train(TrainConfig(**base, out=str(tmp_path / "run")), resume=True, log=lambda s: None)
+    (tmp_path / "run" / "config.json").write_text('{"data": "x', encoding="utf-8")
+    with pytest.raises(RunError, match=r"config.json cannot be read"):
+        train(TrainConfig(**base, out=str(tmp_path / "run")), resume=True, log=lambda s: None)
+
+
+def test_resume_on_other_data_is_refused(tmp_path, data):
+    """Lines appended to --data between the stop and --resume changed the epoch length, the batches
+    and the schedule of the run it claimed to continue (8 steps became 10), without a word."""
+    base = _stopped_run(tmp_path, data)
+    with open(data[0], "a", encoding="utf-8") as f:
+        f.write(json.dumps({"query": "an extra question", "positive": "an extra answer"}) + "\n")
+    with pytest.raises(RunError, match="the data differ from the saved run's"):
+        train(TrainConfig(**base, out=str(tmp_path / "run")), resume=True, log=lambda s: None)
+
+
+def test_a_one_wide_bag_model_is_refused_and_epochs_with_steps_is_a_note():
+    """--dim 1: LayerNorm over one feature is 0, every text the same vector (loss log B throughout).
+    --epochs with --steps was ignored without a word and still clashed on --resume."""
+    with pytest.raises(ValueError, match="--dim and --buckets must be >= 2"):
+        TrainConfig(dim=1).check()
+    with pytest.raises(ValueError, match="--dim and --buckets must be >= 2"):
+        TrainConfig(buckets=1).check()
+    assert "epochs" in TrainConfig(steps=5, epochs=2.0).without_effect()
+    assert "epochs" not in TrainConfig(epochs=2.0).without_effect()

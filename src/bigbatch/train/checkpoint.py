@@ -15,10 +15,11 @@ previous checkpoint usable. The newest ``keep`` checkpoints are kept.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch import nn
@@ -71,6 +72,7 @@ def save_checkpoint(
     if rank == 0:
         save_model(model, str(tmp / "model.safetensors"))
         torch.save(dict(state, world_size=world_size), tmp / "state.pt")
+    _flush_to_disk(tmp)  # (each rank its own files: a power loss must not leave `latest` naming empty files)
     if barrier is not None:
         barrier()
     final = root / name
@@ -85,6 +87,25 @@ def save_checkpoint(
     if barrier is not None:
         barrier()
     return final
+
+
+def _flush_to_disk(directory: Path) -> None:
+    """fsync every file in ``directory`` and the directory itself (before it is renamed into place)."""
+    for f in directory.iterdir():
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # (a platform that cannot open directories)
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def latest_checkpoint(out: Path) -> Optional[Path]:
@@ -104,14 +125,34 @@ def _load(path: Path) -> Any:
         return torch.load(path, map_location="cpu")
 
 
+def _damaged(file: Path, exc: BaseException) -> ValueError:
+    earlier = sorted(p.name for p in file.parent.parent.glob("step-*") if p.is_dir() and p != file.parent)
+    hint = (f"; to resume from the checkpoint before it, remove {file.parent} and write {earlier[-1]!r} into "
+            f"{file.parent.parent / LATEST}" if earlier else "")
+    return ValueError(f"checkpoint file {file} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}): "
+                      f"it is damaged or incomplete{hint}")
+
+
 def load_checkpoint(path: Path, model: nn.Module, *, rank: int = 0, device: Optional[torch.device] = None):
-    """Load weights into ``model``; return ``(state, rng)`` (rng of this rank)."""
+    """Load weights into ``model``; return ``(state, rng)`` (rng of this rank). A file that cannot be
+    read is a ValueError naming it (and the earlier checkpoint to fall back on)."""
     from safetensors.torch import load_model
 
-    load_model(model, str(path / "model.safetensors"), device=str(device or "cpu"))
-    state = _load(path / "state.pt")
+    def read(file: Path, load: Callable[[], Any]) -> Any:
+        try:
+            return load()
+        except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as exc:
+            raise _damaged(file, exc) from None
+        except Exception as exc:  # safetensors' own error type (SafetensorError) is not exported stably
+            if type(exc).__name__ != "SafetensorError":
+                raise
+            raise _damaged(file, exc) from None
+
+    model_file = path / "model.safetensors"
+    read(model_file, lambda: load_model(model, str(model_file), device=str(device or "cpu")))
+    state = read(path / "state.pt", lambda: _load(path / "state.pt"))
     rng_file = path / f"rng-rank{rank}.pt"
     if not rng_file.is_file():
         raise ValueError(f"checkpoint {path} has no RNG state for rank {rank} (saved with world size "
                          f"{state.get('world_size')}); resume with the same number of processes")
-    return state, _load(rng_file)
+    return state, read(rng_file, lambda: _load(rng_file))

@@ -372,6 +372,18 @@ def _parse_line(line: str, path: Path, lineno: int) -> Pair:
     return Pair(query=obj["query"], positive=obj["positive"], negatives=tuple(negs), group=str(lineno))
 
 
+def data_fingerprint(splits: Splits) -> str:
+    """A hash of the training and held-out pairs, in order: a --resume on other data (lines appended
+    to the file, a built-in set extracted from other installed packages) would silently change the
+    batches and the schedule of the run it continues."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in (splits.train, splits.heldout):
+        h.update(f"{len(part)}\x01".encode())
+        for p in part:
+            h.update("\x00".join((p.query, p.positive, *p.negatives)).encode("utf-8") + b"\x02")
+    return h.hexdigest()
+
+
 def repeated_positives(pairs: Sequence[Pair]) -> int:
     """How many pairs have a positive text that an earlier pair has too: two such pairs in one batch
     make each other's positive an in-batch negative (a false negative)."""

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .data import (DataError, Pair, Splits, builtin_codesearch, default_cache_dir, jsonl_splits,
+from .data import (DataError, Pair, Splits, builtin_codesearch, data_fingerprint, default_cache_dir, jsonl_splits,
                    repeated_positives)
 from .interrupt import AgreedStop, sigint_deferred
 from .metrics import MetricsLog, encode_all, format_metrics, retrieval_metrics, summary_table
@@ -96,6 +96,8 @@ class TrainConfig:
             out["heldout_fraction"] = "holds out part of --data only without --eval-data"
         if self.model != "bag":
             out["dim"] = out["buckets"] = "size only the built-in bag model"
+        if self.steps is not None:
+            out["epochs"] = "sets the length only without --steps"
         return out
 
     def to_json(self) -> Dict[str, Any]:
@@ -112,6 +114,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.batch_size < 2:
             raise ValueError(f"--batch-size must be >= 2 (a contrastive batch needs negatives), got {self.batch_size}")
+        if self.model == "bag" and (self.dim < 2 or self.buckets < 2):  # LayerNorm of one feature is 0: one vector for all
+            raise ValueError(f"--dim and --buckets must be >= 2 for the bag model, got --dim {self.dim} --buckets {self.buckets}")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"--chunk-size must be >= 1, got {self.chunk_size}")
         if self.chunk_size is not None and self.memory_budget is not None:
@@ -387,7 +391,10 @@ def merged_config(cfg: TrainConfig, out: Path, explicit: Sequence[str]) -> Train
 
     Raises RunError when an explicitly given option contradicts the saved run.
     """
-    saved = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    try:
+        saved = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RunError(f"{out / 'config.json'} cannot be read ({e}): it is damaged; the run cannot be resumed") from None
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     # paths saved relative by an earlier version are read from the working directory, as then
     merged = with_absolute_paths(TrainConfig(**{k: v for k, v in saved.items() if k in known}))
@@ -492,6 +499,7 @@ def train(
     if repeats:
         say(f"note: {repeats} training pairs repeat the positive text of an earlier pair; two of them in one "
             "batch make each other's positive an in-batch negative (deduplicate the data to avoid it)")
+    data_id = data_fingerprint(splits)
     per_epoch = len(splits.train) // cfg.batch_size
     if per_epoch < 1:
         raise ValueError(f"--batch-size {cfg.batch_size} is larger than the training set ({len(splits.train)} pairs)")
@@ -518,6 +526,11 @@ def train(
         state, rng = load_checkpoint(ckpt, model, rank=d.rank, device=device)
         if state.get("world_size", 1) != d.world:
             raise RunError(f"checkpoint {ckpt} was written by {state.get('world_size')} processes, this run has {d.world}")
+        if state.get("data", data_id) != data_id:  # (checkpoints before session 13 carry no fingerprint)
+            raise RunError(
+                f"the data differ from the saved run's ({len(splits.train)} training and {len(splits.heldout)} "
+                "held-out pairs now; their fingerprint changed): --resume continues the saved run exactly, "
+                "with its batches and schedule; start a new run (another --out, or --overwrite)")
         opt.load_state_dict(state["optimizer"])
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
@@ -629,7 +642,7 @@ def train(
                 bar.update(1)
             if step % save_every == 0 or step == total or step == stop_after:
                 if cfg.save:
-                    _save(out, step, model, opt, scaler, cfg, d, step_rng)
+                    _save(out, step, model, opt, scaler, cfg, d, step_rng, data_id)
                 if d.rank == 0:
                     _plot(out)
     except Exception:
@@ -644,7 +657,7 @@ def train(
             bar.close()
         if cfg.save:
             say(f"\ninterrupted: saving step {step} (resume with --resume --out {out})")
-            _save(out, step, model, opt, scaler, cfg, d, step_rng)
+            _save(out, step, model, opt, scaler, cfg, d, step_rng, data_id)
         raise
     finally:
         stop.remove()
@@ -675,8 +688,8 @@ def _remove_outputs(out: Path) -> None:
         shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
 
 
-def _save(out, step, model, opt, scaler, cfg, d: Dist, rng) -> None:
-    state = {"optimizer": opt.state_dict(), "step": step, "config": json.dumps(cfg.to_json())}
+def _save(out, step, model, opt, scaler, cfg, d: Dist, rng, data_id: str) -> None:
+    state = {"optimizer": opt.state_dict(), "step": step, "config": json.dumps(cfg.to_json()), "data": data_id}
     if scaler is not None:
         state["scaler"] = scaler.state_dict()
     save_checkpoint(out, step, model, state, rng, rank=d.rank, world_size=d.world,
