@@ -138,21 +138,24 @@ def load_checkpoint(path: Path, model: nn.Module, *, rank: int = 0, device: Opti
     read is a ValueError naming it (and the earlier checkpoint to fall back on)."""
     from safetensors.torch import load_model
 
-    def read(file: Path, load: Callable[[], Any]) -> Any:
+    def read(file: Path, load: Callable[[], Any], unreadable: tuple) -> Any:
         try:
             return load()
-        except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as exc:
+        except unreadable as exc:
             raise _damaged(file, exc) from None
         except Exception as exc:  # safetensors' own error type (SafetensorError) is not exported stably
             if type(exc).__name__ != "SafetensorError":
                 raise
             raise _damaged(file, exc) from None
 
+    # torch.load's reader: RuntimeError (the zip archive), EOFError, UnpicklingError; not so for the
+    # weights, where a RuntimeError is a state dict that does not fit the model (raised as it is)
+    pickled = (OSError, RuntimeError, EOFError, pickle.UnpicklingError)
     model_file = path / "model.safetensors"
-    read(model_file, lambda: load_model(model, str(model_file), device=str(device or "cpu")))
-    state = read(path / "state.pt", lambda: _load(path / "state.pt"))
+    read(model_file, lambda: load_model(model, str(model_file), device=str(device or "cpu")), (OSError,))
+    state = read(path / "state.pt", lambda: _load(path / "state.pt"), pickled)
     rng_file = path / f"rng-rank{rank}.pt"
     if not rng_file.is_file():
         raise ValueError(f"checkpoint {path} has no RNG state for rank {rank} (saved with world size "
                          f"{state.get('world_size')}); resume with the same number of processes")
-    return state, read(rng_file, lambda: _load(rng_file))
+    return state, read(rng_file, lambda: _load(rng_file), pickled)
