@@ -198,3 +198,14 @@ def test_reference_infonce_refuses_an_unknown_reduction():
     q = torch.randn(4, 3)
     with pytest.raises(ValueError, match="reduction must be one of"):
         reference.infonce_loss(q, q, 2.0, reduction="avg")
+
+
+def test_documented_import_paths_exist():
+    """The README's `TritonTiles(precision=...)` / `TritonSigmoid(...)` next to `from bigbatch.backends
+    import TorchTiles`, and docs/siglip.md's `ring_siglip_loss`, were ImportErrors at those paths."""
+    from bigbatch.backends import TritonSigmoid, TritonTiles  # noqa: F401 (needs triton: a test dependency)
+    from bigbatch.distributed import ring_siglip_loss  # noqa: F401
+    import bigbatch.backends
+
+    with pytest.raises(AttributeError, match="no attribute 'TritonNope'"):
+        bigbatch.backends.TritonNope

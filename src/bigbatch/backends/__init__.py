@@ -159,3 +159,16 @@ __all__ = [
     "triton_interpreted",
     "triton_runs_on",
 ]
+
+
+def __getattr__(name: str):
+    """``TritonTiles`` / ``TritonSigmoid`` from here, imported when first asked for: the kernel
+    modules need triton, and importing them fixes whether their kernels are interpreted."""
+    where = {"TritonTiles": "triton_softmax", "TritonSigmoid": "triton_sigmoid"}.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if not triton_available():
+        raise ImportError(f"{name} needs the triton package: pip install triton (or pip install bigbatch[triton])")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{where}"), name)
