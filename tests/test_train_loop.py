@@ -664,3 +664,22 @@ def test_a_one_wide_bag_model_is_refused_and_epochs_with_steps_is_a_note():
         TrainConfig(buckets=1).check()
     assert "epochs" in TrainConfig(steps=5, epochs=2.0).without_effect()
     assert "epochs" not in TrainConfig(epochs=2.0).without_effect()
+
+
+def test_checkpoints_on_a_filesystem_refusing_directory_fsync(tmp_path, data, monkeypatch):
+    """CIFS, WSL's DrvFs and some FUSE mounts refuse fsync on a directory (EINVAL): the fsync added
+    for power-loss safety crashed the run at its first checkpoint there."""
+    import errno
+    import os
+    import stat
+
+    real = os.fsync
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    base = _stopped_run(tmp_path, data)
+    assert train(TrainConfig(**base, out=str(tmp_path / "run")), resume=True, log=lambda s: None)["finished"]

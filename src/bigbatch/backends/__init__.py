@@ -172,3 +172,7 @@ def __getattr__(name: str):
     import importlib
 
     return getattr(importlib.import_module(f"{__name__}.{where}"), name)
+
+
+def __dir__():
+    return sorted(list(globals()) + ["TritonSigmoid", "TritonTiles"])

@@ -14,6 +14,7 @@ previous checkpoint usable. The newest ``keep`` checkpoints are kept.
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import random
@@ -46,7 +47,9 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
+    _fsync(tmp)
     os.replace(tmp, path)
+    _fsync(path.parent)
 
 
 def save_checkpoint(
@@ -72,7 +75,11 @@ def save_checkpoint(
     if rank == 0:
         save_model(model, str(tmp / "model.safetensors"))
         torch.save(dict(state, world_size=world_size), tmp / "state.pt")
-    _flush_to_disk(tmp)  # (each rank its own files: a power loss must not leave `latest` naming empty files)
+    # each rank its own files on disk before the rename: a power loss must not leave `latest` naming
+    # empty files
+    for f in [tmp / f"rng-rank{rank}.pt"] + ([tmp / "model.safetensors", tmp / "state.pt"] if rank == 0 else []):
+        _fsync(f)
+    _fsync(tmp)
     if barrier is not None:
         barrier()
     final = root / name
@@ -89,21 +96,18 @@ def save_checkpoint(
     return final
 
 
-def _flush_to_disk(directory: Path) -> None:
-    """fsync every file in ``directory`` and the directory itself (before it is renamed into place)."""
-    for f in directory.iterdir():
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+def _fsync(path: Path) -> None:
+    """Flush a file or a directory to disk, where the filesystem can: some refuse an fsync of a
+    directory (CIFS, WSL's DrvFs, some FUSE mounts: EINVAL / ENOTSUP), which must not stop a run."""
     try:
-        fd = os.open(directory, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:  # (a platform that cannot open directories)
         return
     try:
         os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EROFS):
+            raise
     finally:
         os.close(fd)
 
@@ -150,7 +154,8 @@ def load_checkpoint(path: Path, model: nn.Module, *, rank: int = 0, device: Opti
 
     # torch.load's reader: RuntimeError (the zip archive), EOFError, UnpicklingError; not so for the
     # weights, where a RuntimeError is a state dict that does not fit the model (raised as it is)
-    pickled = (OSError, RuntimeError, EOFError, pickle.UnpicklingError)
+    # (a flipped byte can also surface as KeyError, UnicodeDecodeError or ValueError in the unpickler)
+    pickled = (OSError, RuntimeError, EOFError, pickle.UnpicklingError, KeyError, UnicodeDecodeError, ValueError)
     model_file = path / "model.safetensors"
     read(model_file, lambda: load_model(model, str(model_file), device=str(device or "cpu")), (OSError,))
     state = read(path / "state.pt", lambda: _load(path / "state.pt"), pickled)
