@@ -134,3 +134,53 @@ def test_a_loss_pickled_for_the_default_group_needs_one_where_it_is_used():
     q = _feats(4, 5, 1)
     with pytest.raises(ValueError, match="pickled for the default process group"):
         loss(q, q, 3.0)
+
+
+def _unpickled_in_another_world(rank, world, blob):
+    loss = pickle.loads(blob)  # built on rank 1 of 2, used here on a group of one
+    q = _feats(4, 5, 1)
+    try:
+        loss(q, q, 3.0)
+    except ValueError as exc:
+        return str(exc)
+    return "ran"
+
+
+def _copies_share_the_group(rank, world):
+    import copy
+
+    import torch.distributed as dist
+
+    sub = dist.new_group([0, 1])
+    out = []
+    for group in (dist.group.WORLD, sub):
+        c = copy.copy(bigbatch.ClipLoss(group=group))  # went through pickling: an error, or a string group
+        out.append(c.group is group)
+    return out
+
+
+def test_an_unpickled_loss_checks_its_rank_and_world_size_and_copies_share_the_group():
+    """A loss pickled on rank 1 of 2 ran silently on a group of one (the constructor refuses that);
+    copy.copy of a loss bound to a group went through pickling: a misleading error for a sub-group,
+    and the default group turned into its pickling marker string."""
+    blob = run_gloo(_pickled_for_the_default_group, 2)[1]
+    said = run_gloo(_unpickled_in_another_world, 1, blob)[0]
+    assert "rank=1, world_size=2 do not match the process group (rank 0 of 1)" in said, said
+    assert run_gloo(_copies_share_the_group, 2) == [[True, True], [True, True]]
+
+
+def test_a_compiled_loss_module_pickles_and_its_copies_are_its_own():
+    """After module.compile() (torch's in-place compile) pickling failed on the bound wrapper, and a
+    deep copy kept calling the original module (its backend, its hooks)."""
+    import copy
+
+    loss = bigbatch.ClipLoss(backend="torch")
+    loss.compile(backend="eager")
+    q, k = _feats(5, 4, 1), _feats(5, 4, 2)
+    want = bigbatch.clip_loss(q, k, 2.0, backend="reference")
+    assert torch.allclose(pickle.loads(pickle.dumps(loss))(q, k, 2.0), want)
+    twin = copy.deepcopy(loss)
+    twin.backend = "no-such-backend"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        twin(q, k, 2.0)
+    assert torch.allclose(loss(q, k, 2.0), want)

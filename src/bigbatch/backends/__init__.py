@@ -83,7 +83,7 @@ def triton_runs_on(device: torch.device, op: str = "softmax") -> bool:
 
 # Per op: (protocol, what a backend object must be, torch class).
 _OPS = {
-    "softmax": (TileBackend, "a backend object", TorchTiles),
+    "softmax": (TileBackend, "a softmax backend object (TorchTiles, TritonTiles)", TorchTiles),
     "sigmoid": (SigmoidBackend, "a sigmoid backend object (TorchSigmoid, TritonSigmoid)", TorchSigmoid),
 }
 
