@@ -1,7 +1,9 @@
 """Pure-PyTorch tile backend: runs on any device and is the reference for the kernels.
 
-Memory: the only workspace is one ``tile_rows x tile_cols`` block of logits (and its
-exponentials) in the compute dtype, plus O(B + N) statistics. FLOPs: ``lse`` is one
+Memory: the workspace is a ``tile_rows x tile_cols`` block of logits and the temporaries built
+from it (the backward holds about 5 tiles at once: the logits, their shifted exponentials, dS, a
+column-direction copy; measured on the CPU, session 13) in the compute dtype, plus O(B + N)
+statistics -- linear in the tile's area, never B x N. FLOPs: ``lse`` is one
 pass over the tiles (2*B*N*D); ``lse_grad`` recomputes each tile once and forms both
 ``dS @ k`` and ``dS.T @ q`` from it (6*B*N*D).
 """
