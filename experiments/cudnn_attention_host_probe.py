@@ -9,13 +9,14 @@ counts made cuDNN attention's host time per call double (gradcache_dedup_keep_h2
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bigbatch.bench.common import write_json
 
 
 def host_ms(b: int, s: int, backend, backward: bool, calls: int = 12) -> dict:
@@ -49,8 +50,7 @@ def main() -> None:
                     r = {"backend": backend.name, "seq": s, "batch": b, "backward": backward, **host_ms(b, s, backend, backward)}
                     print(r, flush=True)
                     res["rows"].append(r)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(args.out, res)
 
 
 if __name__ == "__main__":

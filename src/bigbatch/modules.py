@@ -53,18 +53,21 @@ class _GroupLoss(nn.Module):
     # must not run the original's forward, and a bound wrapper cannot be pickled
     _NOT_COPIED = ("_compiled_call_impl",)
 
+    def _copied(self) -> Dict:
+        return {k: v for k, v in self.__dict__.items() if k not in self._NOT_COPIED}
+
     def __deepcopy__(self, memo):
         if self.group is not None:
             memo[id(self.group)] = self.group
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
-        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items() if k not in self._NOT_COPIED})
+        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self._copied().items()})
         return new
 
     def __copy__(self):
         """A shallow copy sharing the group (``copy.copy`` would otherwise go through pickling)."""
         new = self.__class__.__new__(self.__class__)
-        new.__dict__.update({k: v for k, v in self.__dict__.items() if k not in self._NOT_COPIED})
+        new.__dict__.update(self._copied())
         for k in ("_parameters", "_buffers", "_modules"):  # as nn.Module's own containers, not shared
             if k in new.__dict__:
                 new.__dict__[k] = new.__dict__[k].copy()
@@ -92,9 +95,9 @@ class _GroupLoss(nn.Module):
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError(f"this {type(self).__name__} was pickled for the default process group (world_size="
                                  f"{self.world_size}); initialise torch.distributed in this process first")
-            # the rank / world size it was built with must still describe it (as the constructor checks)
-            return openclip_group(None, getattr(self, "rank", 0), getattr(self, "world_size", 1), False) \
-                if getattr(self, "world_size", 1) > 1 or getattr(self, "rank", 0) > 0 else dist.group.WORLD
+            # the rank / world size it was built with must still describe it (as the constructor checks;
+            # None: a module of one process, bound to the default group all the same)
+            return openclip_group(None, self.rank, self.world_size, False) or dist.group.WORLD
         return self.group
 
 

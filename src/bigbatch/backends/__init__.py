@@ -94,15 +94,20 @@ def _make_triton(op: str):
             "backend='triton' needs the triton package; install it with `pip install triton` "
             "(or `pip install bigbatch[triton]`)"
         )
-    # lazy (triton is optional), with import statements, which torch.compile traces (fullgraph=True
-    # with backend "auto" / "triton"), where it refuses importlib.import_module
+    return _triton_class(op)()
+
+
+def _triton_class(op: str):
+    """``op``'s Triton backend class, imported here (triton is optional): with import statements,
+    which torch.compile traces (fullgraph=True with backend "auto" / "triton"), where it refuses
+    importlib.import_module."""
     if op == "softmax":
         from .triton_softmax import TritonTiles
 
-        return TritonTiles()
+        return TritonTiles
     from .triton_sigmoid import TritonSigmoid
 
-    return TritonSigmoid()
+    return TritonSigmoid
 
 
 def resolve_backend(
@@ -164,14 +169,12 @@ __all__ = [
 def __getattr__(name: str):
     """``TritonTiles`` / ``TritonSigmoid`` from here, imported when first asked for: the kernel
     modules need triton, and importing them fixes whether their kernels are interpreted."""
-    where = {"TritonTiles": "triton_softmax", "TritonSigmoid": "triton_sigmoid"}.get(name)
-    if where is None:
+    op = {"TritonTiles": "softmax", "TritonSigmoid": "sigmoid"}.get(name)
+    if op is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if not triton_available():
         raise ImportError(f"{name} needs the triton package: pip install triton (or pip install bigbatch[triton])")
-    import importlib
-
-    return getattr(importlib.import_module(f"{__name__}.{where}"), name)
+    return _triton_class(op)
 
 
 def __dir__():

@@ -36,7 +36,6 @@ from .torch_tiles import blocks
 _AUTO_TILE_BYTES = {"cuda": 1 << 29, "cpu": 1 << 16}
 
 
-
 @triton.jit
 def _exp2(x, FAST: tl.constexpr):
     if FAST:  # one MUFU.EX2 (rel. error ~2^-22); subnormal results flush to 0

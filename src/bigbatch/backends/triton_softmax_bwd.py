@@ -25,7 +25,6 @@ from . import kernels_imported
 from .triton_softmax_fwd import LOG2E, _tile_logits2
 
 
-
 @triton.jit
 def dlogits_kernel(
     q_ptr, k_ptr, scale_ptr, lse_row_ptr, lse_col_ptr, g_row_ptr, g_col_ptr, pos_ptr, g_pos_ptr, ds_ptr, dst_ptr,

@@ -180,5 +180,3 @@ def lse_fwd_kernel(
 
 
 kernels_imported(__name__, lse_fwd_kernel)  # interpreted or compiled: fixed by @triton.jit at import
-
-

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from .head import attach_head
 from .budget import ChunkProber, MemoryArg, in_use_at_start, offloads, parse_memory, planning_budget, probe_cost
-from .chunking import batch_size, check_offload_target, chunk_rows, model_device, pin, split_chunks
+from .chunking import batch_size, check_offload_target, chunk_rows, differentiable, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, backprop, encode, finalize_plan
 from .inputs import backward_into_originals, inputs_require_grad, with_boundaries
 from .wrappers import (DDP_SYNC_MODES, check_loss_params_outside_ddp, check_not_fsdp, check_not_parametrize_cached,
@@ -339,7 +339,7 @@ class GradCache:
             self.last_chunk_rows = [[u.rows for u in units if u.input_index == i] for i in range(len(inputs))]
             self.last_kept_rows = [sum(u.rows for u in units if u.keep and u.input_index == i) for i in range(len(inputs))]
             for i, (r, t) in enumerate(zip(reps, trainable)):
-                if t and not (r.is_floating_point() or r.is_complex()):
+                if t and not differentiable(r):
                     raise TypeError(f"get_rep_fn must return a floating or complex tensor (input {i}'s representation "
                                     f"is {r.dtype})")
             leaves = [r.detach().requires_grad_(t) for r, t in zip(reps, trainable)]

@@ -208,6 +208,12 @@ def chunk_rows(chunk: Any, custom: bool, name: str) -> Optional[int]:
     return batch_size(chunk, name)
 
 
+def differentiable(t: Tensor) -> bool:
+    """A representation that can carry a gradient: floating or complex (``is_floating_point()`` is
+    False for complex tensors)."""
+    return t.is_floating_point() or t.is_complex()
+
+
 def call_model(model: nn.Module, x: Any) -> Any:
     """Call ``model`` on one chunk: tensor -> ``model(x)``; mapping -> ``model(**x)``;
     ``(list, dict)`` -> ``model(*args, **kwargs)``; other list/tuple -> ``model(*x)``; any other

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from .buffers import BufferStates, buffers_restored, recording, restoring
-from .chunking import tensor_leaves
+from .chunking import differentiable, tensor_leaves
 from .engine import Written, chunk_backward, compact, grad_mode_dependent
 from .lazy import LazyInits, skipping_inits
 from .model_state import ModelState, param_versions
@@ -111,8 +111,7 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
         model_states = [ModelState(m, v) for m, v in zip(modules, versions)]
         first = _as_tuple(out, func.__name__)
         # compact: a view such as out[:, 0] would keep the sub-batch's whole output alive
-        # (complex representations are differentiable too: is_floating_point() is False for them)
-        leaves = tuple(compact(t).requires_grad_(t.is_floating_point() or t.is_complex()) for t in first)
+        leaves = tuple(compact(t).requires_grad_(differentiable(t)) for t in first)
         spent = [False]
 
         def forward_backward(cache_reps: Reps) -> None:
