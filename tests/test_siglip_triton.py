@@ -217,13 +217,14 @@ def test_gpu_fp16_gradients_of_a_trained_model(scale, bias):
 
 @pytest.mark.gpu
 def test_gpu_fp32_products_ignore_the_global_tf32_setting():
-    """fp32_precision='ieee' (the default) holds even when the caller allows TF32 globally: the
-    gradient products on cuBLAS are run at full fp32 precision."""
+    """An explicit fp32_precision='ieee' holds even when the caller allows TF32 globally: the
+    gradient products on cuBLAS are run at full fp32 precision (the default, None, follows the
+    setting: tests/test_fp32_precision.py)."""
     old = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")
     try:
         case = _case(1500, 768, torch.float32, seed=6, device="cuda")
-        _compare(TritonSigmoid(), *case, 1e-5)
+        _compare(TritonSigmoid(fp32_precision="ieee"), *case, 1e-5)
         assert torch.get_float32_matmul_precision() == "high"  # the caller's setting is left as it was
     finally:
         torch.set_float32_matmul_precision(old)

@@ -70,6 +70,39 @@ def mm_acc(acc: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> None:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), alpha=alpha)
 
 
+FP32_PRECISIONS = ("tf32", "ieee")
+
+
+def torch_allows_tf32() -> bool:
+    """Whether torch's CUDA float32 matmuls may use TF32 now: ``torch.backends.cuda.matmul.fp32_precision``
+    (torch >= 2.9; it reads the value inherited from ``torch.backends.fp32_precision``) or the
+    legacy ``allow_tf32`` (also set by ``torch.set_float32_matmul_precision("high"/"medium")``).
+    torch's default is no (full fp32)."""
+    mm = torch.backends.cuda.matmul
+    for value in (getattr(mm, "fp32_precision", None), getattr(torch.backends, "fp32_precision", None)):
+        if value in ("tf32", "ieee"):
+            return value == "tf32"
+    try:
+        return bool(mm.allow_tf32)
+    except RuntimeError:  # torch refuses the legacy read after a mix of its two APIs
+        return False
+
+
+def fp32_dot_precision(requested: Optional[str]) -> str:
+    """The fused kernels' float32 dot precision: ``requested`` (``"tf32"`` or ``"ieee"``), or with
+    ``None`` what a float32 ``torch.mm`` on CUDA would use now (``"ieee"`` by torch's default),
+    read at each call like torch does."""
+    if requested is not None:
+        return requested
+    return "tf32" if torch_allows_tf32() else "ieee"
+
+
+def check_fp32_precision(owner: str, arg: str, value: object) -> None:
+    if value is not None and value not in FP32_PRECISIONS:
+        raise ValueError(f"{owner}: {arg} must be one of {FP32_PRECISIONS} or None (follow torch's CUDA matmul "
+                         f"setting), got {value!r}")
+
+
 _PRECISION_LOCK = threading.RLock()
 
 

@@ -29,7 +29,7 @@ import triton.language as tl
 from . import kernels_imported, triton_runs_on
 from .base import compute_dtype
 from .torch_sigmoid import check_ids
-from .gemm import fp32_matmul, mm_acc
+from .gemm import check_fp32_precision, fp32_dot_precision, fp32_matmul, mm_acc
 from .torch_tiles import blocks
 
 # Bytes of the G workspace tile chosen automatically (GPU); the interpreter uses small tiles.
@@ -140,7 +140,6 @@ def _siglip_tile_kernel(
 kernels_imported(__name__, _siglip_tile_kernel)  # interpreted or compiled: fixed by @triton.jit at import
 
 
-_PRECISIONS = ("ieee", "tf32")
 
 
 _TILE_ALIGN = 256  # a multiple of every BLOCK_M / BLOCK_N the configs use
@@ -167,7 +166,8 @@ class TritonSigmoid:
     """Fused sigmoid-loss tiles on CUDA (or the Triton interpreter on CPU tensors).
 
     ``tile_rows``/``tile_cols``: the G workspace tile (``None``: automatic, 512 MiB on a GPU).
-    ``fp32_precision``: ``"ieee"`` (exact fp32 products) or ``"tf32"`` for float32 features.
+    ``fp32_precision``: ``"ieee"`` (exact fp32 products) or ``"tf32"`` for float32 features; ``None``
+    (default): as a float32 ``torch.mm`` on CUDA at the time of the call (exact unless TF32 is allowed).
     ``block``: kernel config ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, maxnreg])`` or
     ``None`` (``maxnreg`` caps registers per thread so that two programs share an SM and one's
     epilogue overlaps the other's matrix products; 0 = no cap).
@@ -182,7 +182,7 @@ class TritonSigmoid:
 
     tile_rows: Optional[int] = None
     tile_cols: Optional[int] = None
-    fp32_precision: str = "ieee"
+    fp32_precision: Optional[str] = None
     block: Optional[Tuple[int, ...]] = None
     fast_math: bool = True
     name: str = "triton"
@@ -195,8 +195,7 @@ class TritonSigmoid:
             value = getattr(self, arg)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"TritonSigmoid: {arg} must be a positive int or None, got {value!r}")
-        if self.fp32_precision not in _PRECISIONS:
-            raise ValueError(f"TritonSigmoid: fp32_precision must be one of {_PRECISIONS}, got {self.fp32_precision!r}")
+        check_fp32_precision("TritonSigmoid", "fp32_precision", self.fp32_precision)
         if self.block is not None and not _valid_block(self.block):
             raise ValueError(
                 "TritonSigmoid: block must be a tuple (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, maxnreg]) of ints, "
@@ -283,13 +282,13 @@ class TritonSigmoid:
         loss = torch.zeros((), dtype=ct, device=q.device)
         g_sum = torch.zeros((), dtype=ct, device=q.device)
         # input_precision only matters for fp32 operands (16-bit operands always use the tensor cores).
-        precision = self.fp32_precision if q.dtype == torch.float32 else "tf32"
+        precision = fp32_dot_precision(self.fp32_precision) if q.dtype == torch.float32 else "tf32"
         # G is stored in the features' dtype: in fp16, |G| < 6e-5 would lose bits and < 6e-8 vanish
         # (a trained model's negatives, before any loss scaling reaches them); stored times 2^15
         # (|G| <= 1, so <= 32768 < 65504) and products scaled back by exactly 2^-15
         g_scale = 2.0 ** 15 if q.dtype == torch.float16 else 1.0
         # the gradient products at the requested fp32 precision (set once for all tiles)
-        with fp32_matmul(self.fp32_precision if q.dtype == torch.float32 else None):
+        with fp32_matmul(precision if q.dtype == torch.float32 else None):
             for rs in blocks(m, tr):
                 tm = rs.stop - rs.start
                 for cs in blocks(n, tc):

@@ -11,7 +11,8 @@ protocol on CUDA GPUs (and on the CPU under ``TRITON_INTERPRET=1``, for tests).
 
 Precision: bf16/fp16 operands on tensor cores with fp32 accumulation (the dS workspace is
 bf16 for both: its exponent range keeps tiny probabilities times tiny upstream gradients);
-fp32 operands with TF32 (``precision="tf32"``, default) or exact fp32 (``"ieee"``). All
+fp32 operands in exact fp32 (``"ieee"``) or TF32 (``"tf32"``), by default as torch's CUDA matmuls
+at the time of the call (:func:`~.gemm.fp32_dot_precision`: exact fp32 unless TF32 was allowed). All
 softmax arithmetic is fp32. float64 is not supported (use ``backend="torch"``).
 """
 
@@ -29,11 +30,10 @@ import triton.language as tl
 
 from . import triton_runs_on
 from .base import compute_dtype
-from .gemm import mm_acc
+from .gemm import check_fp32_precision, fp32_dot_precision, mm_acc
 from .triton_softmax_bwd import dlogits_kernel, matmul_acc_kernel, matmul_acc_pair_kernel
 from .triton_softmax_fwd import lse_fwd_kernel
 
-_PRECISIONS = ("tf32", "ieee")
 _PRODUCTS = ("separate", "pair", "cublas")
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -123,8 +123,11 @@ class TritonTiles:
     """Fused Triton kernels for the tiled LSE statistics and their gradients.
 
     Args:
-        precision: dot precision for float32 inputs, ``"tf32"`` (default) or ``"ieee"``
-            (exact fp32); half inputs always use tensor cores with fp32 accumulation.
+        precision: dot precision for float32 inputs, ``"ieee"`` (exact fp32) or ``"tf32"``;
+            ``None`` (default): as a float32 ``torch.mm`` on CUDA at the time of the call, i.e.
+            exact unless TF32 is allowed (``torch.backends.cuda.matmul.fp32_precision = "tf32"``,
+            ``allow_tf32 = True`` or ``torch.set_float32_matmul_precision("high")``). Half inputs
+            always use tensor cores with fp32 accumulation.
         block_m, block_n, block_d: override the logits tile (rows, columns, D chunk); powers
             of two >= 16. ``None``: tuned defaults for the device.
         super_tile: override ``(rows, cols)`` of the backward's dS workspace.
@@ -132,7 +135,7 @@ class TritonTiles:
             (``warps``, ``stages``, ``mm_block_m``, ...), for tuning runs.
     """
 
-    precision: str = "tf32"
+    precision: Optional[str] = None
     block_m: Optional[int] = None
     block_n: Optional[int] = None
     block_d: Optional[int] = None
@@ -141,8 +144,7 @@ class TritonTiles:
     name: str = "triton"
 
     def __post_init__(self) -> None:
-        if self.precision not in _PRECISIONS:
-            raise ValueError(f"TritonTiles: precision must be one of {_PRECISIONS}, got {self.precision!r}")
+        check_fp32_precision("TritonTiles", "precision", self.precision)
         for arg in ("block_m", "block_n", "block_d"):
             v = getattr(self, arg)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 16 or v & (v - 1)):
@@ -196,7 +198,7 @@ class TritonTiles:
             # The interpreter's bf16 dot is wrong; fp32 dots of up-cast operands are exact.
             return tl.float32, "ieee"
         if dtype == torch.float32:
-            return tl.float32, self.precision
+            return tl.float32, fp32_dot_precision(self.precision)
         return _TL_DTYPE[dtype], "tf32"
 
     # ------------------------------------------------------------------ forward
