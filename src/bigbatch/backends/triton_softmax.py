@@ -3,11 +3,11 @@ protocol on CUDA GPUs (and on the CPU under ``TRITON_INTERPRET=1``, for tests).
 
 * ``lse``: one kernel pass over all tiles (:mod:`.triton_softmax_fwd`) gives the row and the
   column LSE together; ``2*B*N*D`` FLOPs; workspace ``4*(CG*B + RG*N)`` bytes of partial LSEs.
-* ``lse_grad``: super-tiles of at most 64 Mi logits (:mod:`.triton_softmax_bwd`): one kernel
+* ``lse_grad``: super-tiles of at most 32 Mi logits (:mod:`.triton_softmax_bwd`): one kernel
   recomputes the tile and writes dS into a bounded workspace, two matmul kernels accumulate
   ``dS @ k`` and ``dS.T @ q`` in fp32; ``6*B*N*D`` FLOPs. Memory: the fp32 ``dq``
   accumulator (B x D), one fp32 ``dk`` accumulator per key super-block (TN x D), the dS
-  workspace (128 MiB: 8192 x 8192 bf16, or 4096 x 4096 fp32 plus its transpose: 128 MiB) and the outputs.
+  workspace (64 MiB: 8192 x 4096 bf16, or 4096 x 4096 fp32 plus its transpose: 128 MiB) and the outputs.
 
 Precision: bf16/fp16 operands on tensor cores with fp32 accumulation (the dS workspace is
 bf16 for both: its exponent range keeps tiny probabilities times tiny upstream gradients);
@@ -95,11 +95,12 @@ def _gpu_config(dtype: torch.dtype, device: torch.device) -> _Config:
         mm_block_m=128, mm_block_n=64, mm_block_k=64, mm_warps=4, mm_stages=4,
         # 4 programs per SM: forward 46.1 vs 47.5 ms (2 per SM) at B = 131072 (probe v2).
         programs=4 * sms,
-        # 8192 x 8192 super-tiles (bf16 dS: 128 MiB): a quarter of 4096 x 4096's launches, which the
-        # GPU waited for (three per super-tile, issued from Python): fwd+bwd at D = 512, B = 8k /
-        # 32k / 64k / 256k in 2.35 / 10.3 / 40.0 / 626 ms against 2.66 / 14.1 / 42.8 / 715; D = 128,
-        # B = 32k / 64k: 6.0 / 22.1 against 16.1 / 50.4 (benchmarks/results/probes/clip_super_tile_ab_h200.json)
-        super_rows=8192, super_cols=8192,
+        # 8192 x 4096 super-tiles (bf16 dS: 64 MiB, the workspace the issue allows): half of 4096 x
+        # 4096's launches, which the GPU waited for (three per super-tile, issued from Python):
+        # fwd+bwd at D = 512, B = 32k / 64k / 256k in 10.6 / 41.6 / 640 ms against 14.1 / 42.8 / 715;
+        # D = 128, B = 32k / 64k: 7.4 / 27.2 against 16.1 / 50.4 (8192 x 8192, 128 MiB: 2-20% faster
+        # again; benchmarks/results/probes/clip_super_tile_ab_h200.json)
+        super_rows=8192, super_cols=4096,
         # cuBLAS products: backward 129.7 ms vs 179.5 (two Triton launches) and 144.0 (paired launch)
         # at B = 131072, D = 512 on an H200 (benchmarks/results/probes/clip_kernel_probe_h200.json).
         products="cublas",

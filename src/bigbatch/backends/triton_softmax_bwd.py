@@ -1,13 +1,13 @@
 """Backward Triton kernels: the logits gradient of one super-tile, and the two products.
 
-For a super-tile of ``TM`` query rows x ``TN`` key rows (by default 8192 x 8192 for half inputs, 4096 x 4096 for fp32):
+For a super-tile of ``TM`` query rows x ``TN`` key rows (by default 8192 x 4096 for half inputs, 4096 x 4096 for fp32):
 
 1. :func:`dlogits_kernel` recomputes ``S = scale * q_i @ k_j.T`` tile by tile (the same
    D-chunked dot as the forward) and writes
    ``dS = g_row * exp(S - lse_row) + g_col * exp(S - lse_col) + g_pos * [j == label_i]``
    (the positive term folded in fp32 before rounding: it cancels the rest as P_ii -> 1)
    into a bounded workspace
-   (bf16 for half inputs: 128 MiB; fp32 for fp32 inputs: 64 MiB, plus its transpose). FLOPs ``2*TM*TN*D``.
+   (bf16 for half inputs: 64 MiB; fp32 for fp32 inputs: 64 MiB, plus its transpose). FLOPs ``2*TM*TN*D``.
 2. :func:`matmul_acc_kernel` twice: ``dq_acc[i] += dS @ k_j`` and ``dk_acc[j] += dS.T @ q_i``,
    fp32 accumulators, operands on tensor cores. FLOPs ``4*TM*TN*D``.
 
