@@ -27,7 +27,8 @@ CLIP_CASES = [
     (ok(dtype=torch.float16), ok(), 1.0, {}, TypeError, "same dtype"),
     (ok(), ok(), "big", {}, TypeError, "scale must be a float or a 0-d floating tensor"),
     (ok(), ok(), torch.ones(3), {}, ValueError, "scale must be a scalar"),
-    (ok(), ok(), torch.tensor(2), {}, TypeError, "scale must be a floating tensor"),
+    (ok(), ok(), torch.tensor(True), {}, TypeError, "scale must be a real floating"),
+    (ok(), ok(), torch.tensor(2j), {}, TypeError, "scale must be a real floating"),
     (ok(), ok(), float("inf"), {}, ValueError, "scale must be finite"),
     (ok(), ok(), 10**400, {}, ValueError, "scale must be finite in float64"),
     (ok(), ok(), 1e39, {}, ValueError, "scale must be finite in the loss's compute dtype torch.float32"),
@@ -209,3 +210,17 @@ def test_documented_import_paths_exist():
 
     with pytest.raises(AttributeError, match="no attribute 'TritonNope'"):
         bigbatch.backends.TritonNope
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_integer_tensor_scale_and_bias_are_promoted_as_openclip_does(backend):
+    """OpenCLIP's modules take ``torch.tensor(10)`` as logit_scale / logit_bias (torch promotes it):
+    the drop-ins give the float value's loss (they refused it with a TypeError before)."""
+    img, txt = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 5, dtype=torch.float64)
+    for scale in (torch.tensor(10), torch.tensor([3], dtype=torch.int32)):
+        f = float(scale)
+        assert bigbatch.clip_loss(img, txt, scale, backend=backend) == bigbatch.clip_loss(img, txt, f, backend=backend)
+        assert bigbatch.ClipLoss(backend=backend)(img, txt, scale, torch.tensor(-3)) == bigbatch.clip_loss(img, txt, f, backend=backend)
+        want = bigbatch.siglip_loss(img, txt, f, -3.0, backend=backend)
+        assert bigbatch.siglip_loss(img, txt, scale, torch.tensor(-3), backend=backend) == want
+        assert bigbatch.SigLipLoss(backend=backend)(img, txt, scale, torch.tensor(-3)) == want

@@ -83,8 +83,8 @@ def prepare_scalar(name: str, value: object, like: Tensor) -> Tensor:
         return torch.tensor(as_float, dtype=ct, device=like.device)
     if value.numel() != 1:  # any shape of one element: (), (1,), (1, 1), as OpenCLIP's modules take
         raise ValueError(f"{name} must be a scalar (0-d or 1-element tensor), got shape {tuple(value.shape)}")
-    if not value.is_floating_point():
-        raise TypeError(f"{name} must be a floating tensor, got dtype {value.dtype}")
+    if value.dtype == torch.bool or value.is_complex():  # integer tensors are promoted, as OpenCLIP's modules do
+        raise TypeError(f"{name} must be a real floating (or integer) tensor, got dtype {value.dtype}")
     if value.device != like.device and not (value.device.type == "cpu" and value.dim() == 0):
         raise ValueError(f"{name} must be on the features' device {like.device}, got {value.device}")
     return value.reshape(()).to(device=like.device, dtype=ct)
