@@ -332,3 +332,16 @@ def test_the_exported_ring_primitives_refuse_what_a_real_ring_would():
     assert "shape and dtype of send[0]" in shape and "shape and dtype of send[0]" in dtype
     assert "sizes[0] must list every rank's rows" in sizes
     assert "must be >= 0" in negative
+
+
+@pytest.mark.parametrize("name,local", [("ring_clip_loss", "clip_loss"), ("ring_infonce_loss", "infonce_loss"),
+                                        ("ring_siglip_loss", "siglip_loss")])
+def test_direct_ring_api_without_a_group_names_the_single_process_loss(name, local):
+    """bigbatch.distributed.ring_*_loss(group=None): one clear message for all three (the sigmoid
+    ring reached torch's "Group None is not registered", or with no process group initialised a
+    message about a group that was not given)."""
+    import bigbatch.distributed as bd
+
+    args = (torch.randn(4, 3), torch.randn(4, 3), 2.0) + ((-1.0,) if local == "siglip_loss" else ())
+    with pytest.raises(ValueError, match=rf"{name} needs a process group \(group=...\); without one use bigbatch.{local}"):
+        getattr(bd, name)(*args, group=None)

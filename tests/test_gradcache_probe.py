@@ -56,11 +56,11 @@ def test_probe_runs_no_parameter_hook(api):
     a[0].weight.register_hook(log)
     a[0].weight.register_post_accumulate_grad_hook(count)
     if api == "gradcache":
-        gc = GradCache([a, b], memory_budget="16KiB", loss_fn=clip)
+        gc = GradCache([a, b], memory_budget="12KiB", loss_fn=clip)
         gc(x, y)
         chunks = len(gc.last_chunk_rows[0])
     else:
-        clip(cached_encode(a, x, memory_budget="16KiB"), cached_encode(b, y, memory_budget="16KiB")).backward()
+        clip(cached_encode(a, x, memory_budget="12KiB"), cached_encode(b, y, memory_budget="12KiB")).backward()
         chunks = None
     assert_rel(seen["sum"], ref, 1e-12, "hook's sum of the chunks' gradients")
     assert_rel(a[0].weight.grad, ref, 1e-12, ".grad")
@@ -142,6 +142,7 @@ def test_the_probe_cache_tells_get_rep_fns_apart():
 
     def plan(get_rep):
         plans.clear()
+        model.zero_grad(set_to_none=True), proj.zero_grad(set_to_none=True)  # .grad a step creates counts
         cached_encode(model, x, memory_budget="100MiB", get_rep_fn=get_rep).sum().backward()
         return plans[0]
 
@@ -284,3 +285,20 @@ def test_callable_key_of_odd_callables_is_hashable():
     x = torch.randn(10, 6, dtype=F64)
     out = cached_encode(model, x, memory_budget="1MiB", get_rep_fn=lambda o: o[:, : cfg.k] * arr.sum())
     assert out.shape == (10, 4)
+
+
+def test_cpu_probe_does_not_charge_the_models_own_weights():
+    """Autograd saves a Linear's weight (and its input) for the backward; those tensors already exist,
+    so the CPU estimate must not count them as memory the step adds (it did, twice: a real
+    all-MiniLM-L6-v2 probe of 7 rows charged its 41 MiB of weights, refusing budgets the step fits)."""
+    import contextlib
+
+    from bigbatch.gradcache.budget import _measure
+
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh()).to(F64)
+    x = torch.randn(4, 256, dtype=F64)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    peak, act, _ = _measure(model, x, lambda out: out, contextlib.nullcontext, list(model.parameters()),
+                            torch.device("cpu"))
+    assert act == 4 * 256 * 8  # tanh's output only (the Linear's input is the chunk, its weight the model's)
+    assert peak == 2 * act + weights  # + the gradients the step creates
