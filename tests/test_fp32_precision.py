@@ -162,3 +162,31 @@ def test_gpu_explicit_precision_ignores_the_global_setting():
     assert max(exact) < 1e-5, exact
     fast = _errors(lambda q, k, s: bigbatch.clip_loss(q, k, s, backend=TritonTiles(precision="tf32")), inputs, truth)
     assert 1e-5 < max(fast) < 5e-3, fast
+
+
+@pytest.mark.skipif(not NEW_API, reason="torch without the fp32_precision API")
+def test_a_block_at_the_precision_in_force_pins_nothing():
+    """fp32_matmul (the sigmoid kernels' cuBLAS products) at the precision already in force touches
+    nothing: restoring the CUDA matmul's read value pinned one inherited from the global setting,
+    so that a later change of torch.backends.fp32_precision no longer reached torch.mm."""
+    from bigbatch.backends.gemm import fp32_matmul
+
+    with matmul_setting("global"):
+        with fp32_matmul(fp32_dot_precision(None)):
+            assert torch_allows_tf32()
+        torch.backends.fp32_precision = "ieee"
+        assert MM.fp32_precision == "ieee" and not torch_allows_tf32()
+    with fp32_matmul("tf32"):  # an explicit other precision is set for the block and put back
+        assert torch_allows_tf32()
+    assert not torch_allows_tf32()
+
+
+def test_reading_the_setting_warns_nothing():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for how in WAYS:
+            with matmul_setting(how):
+                assert fp32_dot_precision(None) == "tf32"
+        assert fp32_dot_precision(None) == "ieee"

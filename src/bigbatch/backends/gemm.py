@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from typing import Dict, Iterator, Optional
 
 import torch
@@ -82,10 +83,12 @@ def torch_allows_tf32() -> bool:
     for value in (getattr(mm, "fp32_precision", None), getattr(torch.backends, "fp32_precision", None)):
         if value in ("tf32", "ieee"):
             return value == "tf32"
-    try:
-        return bool(mm.allow_tf32)
-    except RuntimeError:  # torch refuses the legacy read after a mix of its two APIs
-        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch 2.9 warns once on the legacy read ("use the new API")
+        try:
+            return bool(mm.allow_tf32)
+        except RuntimeError:  # torch refuses the legacy read after a mix of its two APIs
+            return False
 
 
 def fp32_dot_precision(requested: Optional[str]) -> str:
@@ -119,6 +122,11 @@ def fp32_matmul(precision: Optional[str]) -> Iterator[None]:
     mm = torch.backends.cuda.matmul
     new_api = hasattr(mm, "fp32_precision")
     with _PRECISION_LOCK:
+        if torch_allows_tf32() == (precision == "tf32"):
+            # already in force: touch nothing (a restore would pin a value the CUDA matmul inherits
+            # from torch.backends.fp32_precision as its own, so that it no longer followed the global)
+            yield
+            return
         old = mm.fp32_precision if new_api else mm.allow_tf32
         if new_api:
             mm.fp32_precision = precision

@@ -258,7 +258,7 @@ def _tune(args) -> Dict[str, Any]:
                 continue
             if dtype == torch.float32:
                 cfg = {**cfg, "block_d": 32}
-            be = TritonTiles(tune=cfg)
+            be = TritonTiles(precision=args.precision, tune=cfg)
             try:
                 ms = statistics.median(cuda_time_ms(lambda: be.lse(q, k, s, rows=True, cols=True), warmup=2, repeat=5))
                 lr, lc = be.lse(q, k, s, rows=True, cols=True)
@@ -275,12 +275,12 @@ def _tune(args) -> Dict[str, Any]:
         ok = [r for r in out["fwd"] if r["dtype"] == dname and "fwd_ms" in r]
         best = min(ok, key=lambda r: r["bwd_ms"]) if ok else fwd_cfgs[0]
         tile = {key: best[key] for key in ("block_m", "block_n", "block_d", "warps", "stages")}
-        lr, lc = TritonTiles(tune=tile).lse(q, k, s, rows=True, cols=True)
+        lr, lc = TritonTiles(precision=args.precision, tune=tile).lse(q, k, s, rows=True, cols=True)
         g = torch.full_like(lr, 0.5 / b)
         for cfg in mm_cfgs:
             if dtype == torch.float32:
                 cfg = {**cfg, "mm_block_k": 32, "mm_stages": 3}
-            be = TritonTiles(tune={**tile, **cfg})
+            be = TritonTiles(precision=args.precision, tune={**tile, **cfg})
             try:
                 bms = statistics.median(
                     cuda_time_ms(lambda: be.lse_grad(q, k, s, lr, lc, g, g), warmup=1, repeat=3)
@@ -301,14 +301,14 @@ def _tune(args) -> Dict[str, Any]:
     return out
 
 
-def _check_vs_float64(tune: Dict[str, int], dtype: torch.dtype) -> Dict[str, float]:
+def _check_vs_float64(tune: Dict[str, int], dtype: torch.dtype, precision: str) -> Dict[str, float]:
     """Relative errors of loss and gradients of one variant against float64 (B=4096, D=512)."""
     import bigbatch
     from bigbatch import reference
     from bigbatch.backends.triton_softmax import TritonTiles
 
     q, k, logit = _inputs(4096, 512, dtype, seed=3)
-    loss = bigbatch.clip_loss(q, k, logit.exp(), backend=TritonTiles(tune=tune))
+    loss = bigbatch.clip_loss(q, k, logit.exp(), backend=TritonTiles(precision=precision, tune=tune))
     loss.backward()
     q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
     l64 = logit.detach().double().requires_grad_()
@@ -341,9 +341,9 @@ def _ab(args) -> Dict[str, Any]:
         for v in fwd_vars:
             row: Dict[str, Any] = {"family": fam, "tune": v, "B": bf}
             try:
-                row["check"] = _check_vs_float64(v, dtype)
+                row["check"] = _check_vs_float64(v, dtype, args.precision)
                 ok = max(row["check"].values()) <= tol
-                be = TritonTiles(tune=v)
+                be = TritonTiles(precision=args.precision, tune=v)
                 row["fwd_ms"] = statistics.median(cuda_time_ms(lambda: be.lse(q, k, s, rows=True, cols=True), warmup=1, repeat=3))
                 row["fwd_tflops"] = 2 * bf * bf * 512 / row["fwd_ms"] / 1e9
                 if ok and (best_f is None or row["fwd_ms"] < best_f[1]):
@@ -357,15 +357,15 @@ def _ab(args) -> Dict[str, Any]:
         q, k, _ = _inputs(bb, 512, dtype, seed=6)
         q, k = q.detach(), k.detach()
         fwd_tune = best_f[0] if best_f else {}
-        lr, lc = TritonTiles(tune=fwd_tune).lse(q, k, s, rows=True, cols=True)
+        lr, lc = TritonTiles(precision=args.precision, tune=fwd_tune).lse(q, k, s, rows=True, cols=True)
         g = torch.full_like(lr, 0.5 / bb)
         for v in bwd_vars[fam]:
             tune = {**fwd_tune, **v}
             row = {"family": fam, "tune": tune, "B": bb}
             try:
-                row["check"] = _check_vs_float64(tune, dtype)
+                row["check"] = _check_vs_float64(tune, dtype, args.precision)
                 ok = max(row["check"].values()) <= tol
-                be = TritonTiles(tune=tune)
+                be = TritonTiles(precision=args.precision, tune=tune)
                 row["bwd_ms"] = statistics.median(cuda_time_ms(lambda: be.lse_grad(q, k, s, lr, lc, g, g), warmup=1, repeat=3))
                 row["bwd_tflops"] = 6 * bb * bb * 512 / row["bwd_ms"] / 1e9
                 if ok and (best_b is None or row["bwd_ms"] < best_b[1]):
