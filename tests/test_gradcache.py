@@ -374,6 +374,35 @@ def test_fp16_grad_scaler_scaled_cache_and_skip():
         assert torch.equal(p.detach(), b), "the optimizer stepped on non-finite gradients"
 
 
+def test_enabled_scaler_without_fp16_is_an_error_not_a_scaled_gradient():
+    """The public GradCache ignores a scaler unless fp16=True; bigbatch scaled the loss anyway, so
+    .grad came out 65536x the full-batch gradient (a migrated loop calling optimizer.step() when
+    fp16 is off then takes a 65536x step). Refused, with the way out; a disabled scaler (the usual
+    GradScaler(enabled=use_fp16)) and a caller's float16 autocast region are fine."""
+    models = [m.float() for m in make_models(2)]
+    params = params_of(models)
+    x, y = make_input("tensor", 8, 1).float(), make_input("tensor", 8, 2).float()
+    for kwargs in ({}, {"autocast_dtype": torch.bfloat16}):
+        gc = GradCache(models, chunk_sizes=4, loss_fn=clip(), scaler=torch.amp.GradScaler("cpu"), **kwargs)
+        with pytest.raises(ValueError, match="an enabled scaler without fp16"):
+            gc(x, y)
+    zero(params)
+    reference(models, [x, y], 4, clip(), seed=5)
+    ref = grads(params)
+    zero(params)
+    torch.manual_seed(5)
+    GradCache(models, chunk_sizes=4, loss_fn=clip(), scaler=torch.amp.GradScaler("cpu", enabled=False))(x, y)
+    check_grads(params, ref, 1e-6, "disabled scaler")
+    zero(params)
+    reference(models, [x, y], 4, clip(), seed=5, autocast=torch.float16)
+    ref16 = grads(params)
+    zero(params)
+    torch.manual_seed(5)
+    with torch.autocast("cpu", dtype=torch.float16):
+        GradCache(models, chunk_sizes=4, loss_fn=clip(), scaler=torch.amp.GradScaler("cpu", init_scale=4.0))(x, y)
+    check_grads(params, [r * 4.0 for r in ref16], 5e-3, "scaled grads under the caller's fp16 autocast")
+
+
 def test_offload_inputs_and_reps_exact():
     models = make_models(2)
     params = params_of(models)
@@ -434,6 +463,9 @@ def test_parse_memory():
     from fractions import Fraction
 
     assert parse_memory(10**400) == 10**400 and parse_memory(Fraction(10**400, 3)) == 10**400 // 3  # huge is fine
+    for tiny in (0.3, "0.0001B"):  # said "must be positive, got 0.3"
+        with pytest.raises(ValueError, match=r"at least one byte, got .* \(it rounds down to 0 bytes\)"):
+            parse_memory(tiny)
 
 
 def test_bad_arguments():

@@ -718,13 +718,16 @@ def _clip(a, b):
     return bigbatch.clip_loss(a, b, 2.0)
 
 
-@pytest.mark.parametrize("lengths", [[1, 2, 3, 4, 5, 6], (1, 2, 3, 4, 5, 6), np.arange(1, 7)], ids=["list", "tuple", "numpy"])
+@pytest.mark.parametrize("lengths", [[1, 2, 3, 4, 5, 6], (1, 2, 3, 4, 5, 6), np.arange(1, 7),
+                                     [torch.tensor(float(i), dtype=F64) for i in range(1, 7)]],
+                         ids=["list", "tuple", "numpy", "list_of_0d_tensors"])
 def test_non_tensor_entry_of_b_items_is_refused_when_split(lengths):
     """bigbatch cuts only tensors: a per-row list / numpy array beside them would reach every chunk
-    whole (the loss of a 6-row batch in chunks of 2 was 2.07 instead of 2.96, silently)."""
+    whole (the loss of a 6-row batch in chunks of 2 was 2.07 instead of 2.96, silently; a list of
+    0-d tensors went through whole too: session 14)."""
     model, x = _WithLengths(), torch.randn(6, 4, dtype=F64)
     inputs = {"x": x, "lengths": lengths}
-    with pytest.raises(ValueError, match="6 items without tensors sits beside tensors of 6 rows"):
+    with pytest.raises(ValueError, match="6 items without batched tensors sits beside tensors of 6 rows"):
         GradCache(model, chunk_sizes=2, loss_fn=_clip)(inputs, inputs)
     with pytest.raises(ValueError, match="pass per-row values as a tensor"):
         cached_encode(model, inputs, chunk_size=2)
@@ -1133,3 +1136,20 @@ def test_unregistered_trainables_in_the_loss_too_and_where_pass_1_cannot_see_the
     c1(r1)
     with pytest.raises(RuntimeError, match="computed outside it"):
         c2(r2)
+
+
+def test_a_shared_tensor_beside_the_batch_gets_a_message_with_the_rule():
+    """A (D,) or (1,) entry beside B-row tensors: refused (it cannot be cut), and the message says why
+    and what to do (it said only "tensors disagree on the batch size")."""
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3).to(F64)
+
+        def forward(self, x, w):
+            return self.lin(x) * w
+
+    with pytest.raises(ValueError, match="tensor with a dimension is cut into chunks along dimension 0.*0-d tensor"):
+        GradCache(Scaled(), chunk_sizes=2, loss_fn=_clip)(
+            {"x": torch.randn(10, 4, dtype=F64), "w": torch.ones(1, dtype=F64)},
+            {"x": torch.randn(10, 4, dtype=F64), "w": torch.ones(1, dtype=F64)})

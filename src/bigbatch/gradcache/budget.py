@@ -79,7 +79,8 @@ def parse_memory(value: MemoryArg, name: str = "memory_budget") -> Optional[int]
     else:
         raise TypeError(f"{name} must be bytes (int) or a string like '16GiB', got {type(value).__name__}")
     if out <= 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
+        rounded = " (it rounds down to 0 bytes)" if not isinstance(value, numbers.Integral) and out == 0 else ""
+        raise ValueError(f"{name} must be at least one byte, got {value!r}{rounded}")
     return out
 
 

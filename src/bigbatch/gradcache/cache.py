@@ -60,6 +60,22 @@ def check_callables(**fns: Any) -> None:
             raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}")
 
 
+def _enabled(scaler: Any) -> bool:
+    is_enabled = getattr(scaler, "is_enabled", None)
+    return bool(is_enabled()) if callable(is_enabled) else True
+
+
+def _fp16_autocast_on() -> bool:
+    """Whether the caller opened a float16 autocast region (CUDA or CPU) around the step."""
+    for device_type in ("cuda", "cpu"):
+        try:
+            if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16:
+                return True
+        except (TypeError, RuntimeError, AttributeError):  # a torch without the device-type forms
+            continue
+    return False
+
+
 def check_options(autocast_dtype, scaler, ddp_sync) -> None:
     if autocast_dtype is not None and autocast_dtype not in _AUTOCAST_DTYPES:
         raise ValueError(f"autocast_dtype must be torch.bfloat16, torch.float16 or None, got {autocast_dtype!r}")
@@ -112,6 +128,8 @@ class GradCache:
         fp16: the public GradCache's switch: ``autocast_dtype=torch.float16``, which needs ``scaler``.
         scaler: a ``torch.amp.GradScaler`` (fp16): the loss is scaled before the cache is built, so the
             cached gradients and the parameter gradients are scaled; call ``scaler.step``/``update`` after.
+            An enabled scaler without fp16 (``fp16``/``autocast_dtype``, or a float16 autocast region
+            around the call) is an error: the public package ignores it there.
             Non-finite cached gradients propagate to ``.grad`` so the scaler skips that step.
 
     Keyword-only (bigbatch's own; the arguments above keep the public package's positions):
@@ -306,6 +324,13 @@ class GradCache:
                                "no_grad and call the loss yourself")
         check_not_parametrize_cached("GradCache", self.models)
         _check_not_fsdp(self.models, self.get_rep_fn)  # again per step: fully_shard() converts in place
+        if self.scaler is not None and not self.fp16 and _enabled(self.scaler) and not _fp16_autocast_on():
+            raise ValueError(
+                "GradCache: an enabled scaler without fp16 (autocast_dtype is "
+                f"{self.autocast_dtype!r} and no float16 autocast region is open): the loss, and with it .grad, "
+                "would be scaled by the scaler's factor, which the public GradCache does not do without fp16 "
+                "(a plain optimizer.step() would take a 65536x step). Set fp16=True (or autocast_dtype=torch.float16), "
+                "or drop the scaler (a GradScaler(enabled=False) is accepted)")
         ddp_sync = self.ddp_sync if no_sync_except_last is None else ("last_chunk" if no_sync_except_last else "every_chunk")
         models = self._models_for(len(inputs))
         # A model is re-run if a parameter or an input tensor of it requires grad; a frozen one

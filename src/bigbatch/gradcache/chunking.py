@@ -74,7 +74,9 @@ def batch_size(x: Any, name: str = "inputs", hint: str = "") -> int:
         raise ValueError(f"{name}: expected a tensor or a structure of tensors with a batch dimension, got "
                          f"{type(x).__name__}" + (f" ({hint})" if hint else ""))
     if len(sizes) > 1:
-        raise ValueError(f"{name}: tensors disagree on the batch size (dimension 0): {sorted(sizes)}")
+        raise ValueError(f"{name}: tensors disagree on the batch size (dimension 0): {sorted(sizes)}; every "
+                         f"tensor with a dimension is cut into chunks along dimension 0, so a tensor shared by all "
+                         f"rows goes in as a 0-d tensor, inside the model (a buffer), or through split_input_fn")
     b = sizes.pop()
     if b == 0:
         raise ValueError(f"{name}: empty batch")
@@ -142,12 +144,13 @@ def split_chunks(x: Any, chunk: int, *, split_input_fn: Optional[Callable[[Any, 
 
 
 def _per_row_lookalike(v: Any, b: int) -> bool:
-    """A list or tuple without tensors or a numpy-like array of exactly ``b`` items: it cannot be
-    told from per-row values, which repeating in every chunk would get wrong. A ``torch.Size`` and
-    a short tuple of ints (up to 4: ``size=(224, 224)``, a shape) are settings, repeated."""
+    """A list or tuple without batched tensors (none, or only 0-d ones: ``[torch.tensor(1.), ...]``)
+    or a numpy-like array of exactly ``b`` items: it cannot be told from per-row values, which
+    repeating in every chunk would get wrong. A ``torch.Size`` and a short tuple of ints (up to 4:
+    ``size=(224, 224)``, a shape) are settings, repeated."""
     if isinstance(v, (str, bytes, torch.Size, Tensor, Mapping)) or _dataclass(v) or not hasattr(v, "__len__"):
         return False
-    if isinstance(v, (list, tuple)) and tensor_leaves(v):
+    if isinstance(v, (list, tuple)) and any(t.dim() > 0 for t in tensor_leaves(v)):
         return False
     if isinstance(v, tuple) and len(v) <= 4 and all(isinstance(i, int) for i in v):
         return False
@@ -174,7 +177,7 @@ def split_rows(x: Any, rows: Sequence[int]) -> List[Any]:
             return _remap(v, {k: cut(w, i) for k, w in v.items()})
         if len(rows) > 1 and _per_row_lookalike(v, b):
             raise ValueError(
-                f"inputs: a {type(v).__name__} of {b} items without tensors sits beside tensors of {b} rows; "
+                f"inputs: a {type(v).__name__} of {b} items without batched tensors sits beside tensors of {b} rows; "
                 f"bigbatch cuts only tensors, so it would reach every chunk whole (per-row values, e.g. "
                 f"lengths, would be wrong): pass per-row values as a tensor, or give split_input_fn")
         if isinstance(v, (list, tuple)):
