@@ -475,6 +475,32 @@ def test_gpu_infonce_labels_and_nan():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_default_super_tiles_with_tails(dtype):
+    """The default half-precision super-tile (8192 x 4096) with a tail in both directions and more
+    keys than queries: rows 8192 + 1808, key blocks 4096 x 2 + 1809 (InfoNCE with labels), and the
+    CLIP loss over the first 10,000 keys."""
+    b, n, d = 10000, 10001, 96
+    q = features(b, d, dtype=dtype, device="cuda", seed=5)
+    k = features(n, d, dtype=dtype, device="cuda", seed=6)
+    labels = torch.randperm(n, device="cuda")[:b]
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    for loss_fn, ref_fn in (
+        (lambda a, c: bigbatch.infonce_loss(a, c, 30.0, labels=labels), lambda a, c: reference.infonce_loss(a, c, 30.0, labels)),
+        (lambda a, c: bigbatch.clip_loss(a, c[:b], 30.0), lambda a, c: reference.clip_loss(a, c[:b], 30.0)),
+    ):
+        qq, kk = q.detach().requires_grad_(), k.detach().requires_grad_()
+        q64.grad = k64.grad = None
+        loss = loss_fn(qq, kk)
+        loss.backward()
+        ref = ref_fn(q64, k64)
+        ref.backward()
+        assert_rel(loss, ref, 1e-2, "loss")
+        assert_rel(qq.grad, q64.grad, 1e-2, "dq")
+        assert_rel(kk.grad, k64.grad, 1e-2, "dk")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "dtype,tune",
     [
