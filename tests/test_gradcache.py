@@ -464,8 +464,11 @@ def test_parse_memory():
 
     assert parse_memory(10**400) == 10**400 and parse_memory(Fraction(10**400, 3)) == 10**400 // 3  # huge is fine
     for tiny in (0.3, "0.0001B"):  # said "must be positive, got 0.3"
-        with pytest.raises(ValueError, match=r"at least one byte, got .* \(it rounds down to 0 bytes\)"):
+        with pytest.raises(ValueError, match=r"must be positive, got .* \(it rounds down to 0 bytes\)"):
             parse_memory(tiny)
+    for zero in (0, "0", "0GiB", 0.0):
+        with pytest.raises(ValueError, match=r"must be positive, got [^(]*$"):
+            parse_memory(zero)
 
 
 def test_bad_arguments():

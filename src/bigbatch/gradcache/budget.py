@@ -61,7 +61,7 @@ def parse_memory(value: MemoryArg, name: str = "memory_budget") -> Optional[int]
     if isinstance(value, bool):
         raise TypeError(f"{name} must be bytes (int) or a string like '16GiB', got bool")
     if isinstance(value, numbers.Integral):  # numpy integers too
-        out = int(value)
+        out = raw = int(value)
     elif isinstance(value, numbers.Real):
         try:
             finite = math.isfinite(value)
@@ -69,18 +69,19 @@ def parse_memory(value: MemoryArg, name: str = "memory_budget") -> Optional[int]
             finite = True
         if not finite:
             raise ValueError(f"{name} must be a finite number of bytes, got {value!r}")
-        out = int(value)
+        out, raw = int(value), value
     elif isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
         number = float(m.group(1)) if m else math.nan
         if not m or m.group(2).lower() not in _UNITS or not math.isfinite(number):
             raise ValueError(f"{name}: cannot read {value!r}; use bytes or e.g. '16GiB', '512MiB', '8GB'")
-        out = int(number * _UNITS[m.group(2).lower()])
+        raw = number * _UNITS[m.group(2).lower()]
+        out = int(raw)
     else:
         raise TypeError(f"{name} must be bytes (int) or a string like '16GiB', got {type(value).__name__}")
     if out <= 0:
-        rounded = " (it rounds down to 0 bytes)" if not isinstance(value, numbers.Integral) and out == 0 else ""
-        raise ValueError(f"{name} must be at least one byte, got {value!r}{rounded}")
+        rounded = out == 0 and raw > 0  # e.g. 0.3 or "0.0001B"
+        raise ValueError(f"{name} must be positive, got {value!r}" + (" (it rounds down to 0 bytes)" if rounded else ""))
     return out
 
 
