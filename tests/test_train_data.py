@@ -265,3 +265,18 @@ def test_tokenizer_pieces_keep_non_ascii_words():
     assert pieces("getSourceSegment get_source_segment HTTPServer x2 42") == [
         "get", "source", "segment", "get", "source", "segment", "http", "server", "x", "2", "42"]
     assert HashTokenizer(buckets=64).ids("кошка") != []
+
+
+def test_metrics_log_skips_a_torn_last_line_and_names_a_damaged_one(tmp_path):
+    """A power cut can leave the last record half written: --resume reads past it (it said only
+    "Expecting ',' delimiter" before); a damaged line elsewhere is an error naming the file."""
+    import pytest
+
+    from bigbatch.train.metrics import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    assert MetricsLog(path).read() == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n{"step": 3, "loss": 1.0}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl is damaged at line 2 .*--overwrite"):
+        MetricsLog(path).read()

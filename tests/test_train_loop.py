@@ -195,6 +195,8 @@ def test_output_dir_guards(tmp_path, data, capsys):
         (["--loss", "infonce", "--hard-negatives", "5"], "fewer negatives"),
         (["--data", "builtin", "--loss", "infonce", "--hard-negatives", "1"], "the built-in pairs have none"),
         (["--lr", "-1"], "--lr must be a positive"),
+        (["--lr", "3e38"], "--lr must be a positive number (at most 3.4e+37"),  # a traceback from AdamW before
+        (["--out", ""], "--out must name a directory"),  # wrote the run into the working directory
         (["--epochs", "inf"], "--epochs must be a finite number > 0"),
         (["--epochs", "nan"], "--epochs must be a finite number > 0"),
         (["--weight-decay", "-1"], "--weight-decay must be a number >= 0"),
@@ -211,6 +213,7 @@ def test_output_dir_guards(tmp_path, data, capsys):
 )
 def test_bad_options_are_clear_errors(tmp_path, data, capsys, args, pattern, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.chdir(tmp_path)  # (a run that wrongly took --out '' would write here)
     try:
         rc = _run("--data", data[0], "--eval-data", data[1], "--steps", 1, "--batch-size", 64, "--out", tmp_path / "o",
                   *args)

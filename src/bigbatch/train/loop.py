@@ -95,7 +95,7 @@ class TrainConfig:
         if self.eval_data is not None:
             out["heldout_fraction"] = "holds out part of --data only without --eval-data"
         if self.model != "bag":
-            out["dim"] = out["buckets"] = "size only the built-in bag model"
+            out["dim"] = out["buckets"] = "sizes only the built-in bag model"
         if self.steps is not None:
             out["epochs"] = "sets the length only without --steps"
         return out
@@ -127,8 +127,11 @@ class TrainConfig:
         if self.hard_negatives and self.data == "builtin":
             raise ValueError("--hard-negatives needs --data FILE.jsonl whose lines carry \"negatives\" "
                              "(the built-in pairs have none)")
-        if self.lr is not None and (self.lr <= 0 or not math.isfinite(self.lr)):
-            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        # AdamW's first step divides the rate by 1 - beta1 = 0.1 in float32: past that it overflows
+        lr_max = torch.finfo(torch.float32).max / 10
+        if self.lr is not None and not (0 < self.lr <= lr_max):  # NaN fails too
+            raise ValueError(f"--lr must be a positive number (at most {lr_max:.3g} for float32 arithmetic), "
+                             f"got {self.lr}")
         if not 0 <= self.warmup < 1:
             raise ValueError(f"--warmup must be in [0, 1), got {self.warmup}")
         if self.steps is not None and self.steps < 1:
@@ -372,6 +375,8 @@ class RunError(RuntimeError):
 
 def _prepare_out(cfg: TrainConfig, resume: bool, overwrite: bool) -> Path:
     """Check the output directory WITHOUT writing; return its path."""
+    if not str(cfg.out).strip():
+        raise RunError("--out must name a directory, got an empty string")
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise RunError(f"--out {out} exists and is not a directory")
@@ -630,7 +635,8 @@ def train(
                 if d.rank == 0:
                     log_file.append(rec)
             if not math.isfinite(rec["loss"]):
-                raise FloatingPointError(f"loss became {rec['loss']} at step {step}; lower --lr or use fp32")
+                raise FloatingPointError(f"loss became {rec['loss']} at step {step}; lower --lr (or --weight-decay), or "
+                                         f"train in fp32")
             if step % eval_every == 0 or step == total:
                 last = run_eval(step)
             if bar is not None:

@@ -56,10 +56,24 @@ class MetricsLog:
             f.write(json.dumps(record, sort_keys=True) + "\n")
 
     def read(self) -> List[dict]:
+        """The records. A last line cut short by an interrupted write (no newline at its end) is left
+        out; any other line that is not JSON is an error naming the file and the line."""
         if not self.path.exists():
             return []
         with self.path.open("r", encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
+            lines = f.readlines()
+        out = []
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except ValueError as exc:
+                if i == len(lines) and not line.endswith("\n"):
+                    break  # a torn final write: the steps after the checkpoint are run again anyway
+                raise ValueError(f"{self.path} is damaged at line {i} ({exc}); remove that line, or start "
+                                 f"over with --overwrite") from None
+        return out
 
     def truncate_after(self, step: int) -> None:
         keep = [r for r in self.read() if r.get("step", 0) <= step]
