@@ -195,7 +195,8 @@ def test_output_dir_guards(tmp_path, data, capsys):
         (["--loss", "infonce", "--hard-negatives", "5"], "fewer negatives"),
         (["--data", "builtin", "--loss", "infonce", "--hard-negatives", "1"], "the built-in pairs have none"),
         (["--lr", "-1"], "--lr must be a positive"),
-        (["--lr", "3e38"], "--lr must be a positive number (at most 3.4e+37"),  # a traceback from AdamW before
+        (["--lr", "3e38"], "--lr must be a positive number (at most 3.06e+37"),  # a traceback from AdamW before
+        (["--lr", "3.4028234663852886e+37"], "--lr must be a positive number (at most 3.06e+37"),
         (["--out", ""], "--out must name a directory"),  # wrote the run into the working directory
         (["--epochs", "inf"], "--epochs must be a finite number > 0"),
         (["--epochs", "nan"], "--epochs must be a finite number > 0"),

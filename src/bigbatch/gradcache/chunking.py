@@ -5,8 +5,8 @@ mapping (``dict``, ``UserDict``, Hugging Face ``BatchEncoding``: the chunk keeps
 list or tuple (type kept), a dataclass instance (a copy with every field cut, ``__init__`` not
 run again; called as ``model(chunk)``), or luyug-GradCache style ``(args_list, kwargs_dict)``. Other objects are opaque:
 they need a ``split_input_fn``, and tensors inside them are not seen (no input gradients). Non-tensor
-leaves and 0-d tensors are repeated in every chunk, except a list or tuple without tensors or a numpy
-array of exactly B items (lengths, weights; not a ``torch.Size`` or a shape-like tuple of up to 4
+leaves and 0-d tensors are repeated in every chunk, except a list or tuple without batched tensors (none,
+or only 0-d ones) or a numpy array of exactly B items (lengths, weights; not a ``torch.Size`` or a shape-like tuple of up to 4
 ints): it may hold per-row values, so it is an error. Splitting makes views, never copies.
 """
 

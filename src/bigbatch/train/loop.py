@@ -127,8 +127,8 @@ class TrainConfig:
         if self.hard_negatives and self.data == "builtin":
             raise ValueError("--hard-negatives needs --data FILE.jsonl whose lines carry \"negatives\" "
                              "(the built-in pairs have none)")
-        # AdamW's first step divides the rate by 1 - beta1 = 0.1 in float32: past that it overflows
-        lr_max = torch.finfo(torch.float32).max / 10
+        # AdamW's first step divides the rate by 1 - beta1 (0.1) into a float32: past that it overflows
+        lr_max = torch.finfo(torch.float32).max * 0.09
         if self.lr is not None and not (0 < self.lr <= lr_max):  # NaN fails too
             raise ValueError(f"--lr must be a positive number (at most {lr_max:.3g} for float32 arithmetic), "
                              f"got {self.lr}")
