@@ -169,3 +169,38 @@ def test_gather_input_tensor_without_a_process_group_says_so():
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match="gather_input_tensor.*init_process_group"):
         gather_input_tensor(lambda a: a)(torch.ones(2, 3))
+
+
+def _gather_mismatch_worker(rank: int, world: int):
+    from bigbatch.gradcache import gather_input_tensor
+
+    same = gather_input_tensor(lambda a: a)
+    cases = {
+        "width": torch.ones(2, 4 if rank == 0 else 5),
+        "dtype": torch.ones(2, 4, dtype=torch.float32 if rank == 0 else torch.float64),
+        "ndim": torch.ones(2, 4) if rank == 0 else torch.ones(2, 2, 2),
+        "scalar": torch.tensor(2.0),
+        "axis": torch.ones(3, 4) if rank == 0 else torch.ones(3),
+    }
+    out = {}
+    for name, t in cases.items():
+        fn = gather_input_tensor(lambda a: a, axis=1) if name == "axis" else same
+        try:
+            fn(t)
+            out[name] = "no error"
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_gather_input_tensor_refuses_mismatched_tensors_on_every_rank():
+    """Only the row counts were exchanged: another width or dtype was read as garbage bytes or killed a
+    rank (gloo's EnforceNotMet), a 0-d tensor or a bad axis was an IndexError on one rank only."""
+    from distributed_harness import run_gloo
+
+    for out in run_gloo(_gather_mismatch_worker, 2, timeout=120.0):
+        assert "size 0 beside the gathered axis must be the same on every rank" in out["width"], out
+        assert "the dtype must be the same on every rank" in out["dtype"] and "torch.float64" in out["dtype"], out
+        assert "ndim must be the same on every rank" in out["ndim"], out
+        assert "a 0-d tensor cannot be gathered" in out["scalar"], out
+        assert "axis 1 is out of range for a tensor of shape (3,)" in out["axis"], out

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, List, Sequence, Tuple, Union
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -79,6 +79,21 @@ def _as_tuple(reps: Any, name: str) -> Tuple[Tensor, ...]:
     return out
 
 
+def _modules_in(x: Any, seen: Optional[set] = None) -> List[nn.Module]:
+    """The modules among the call's arguments, also inside lists, tuples and dicts (each once)."""
+    seen = set() if seen is None else seen
+    if isinstance(x, nn.Module):
+        if id(x) in seen:
+            return []
+        seen.add(id(x))
+        return [x]
+    if isinstance(x, Mapping):
+        x = list(x.values())
+    if isinstance(x, (list, tuple)):
+        return [m for v in x for m in _modules_in(v, seen)]
+    return []
+
+
 def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
     """Decorate ``func(*args, **kwargs) -> representation(s)``; the result returns
     ``(rep_1, ..., rep_n, closure)`` as the public package does (``rep, closure`` for one): the reps
@@ -89,7 +104,7 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
 
     @functools.wraps(func)
     def cache_func(*args: Any, **kwargs: Any):
-        modules = [a for a in list(args) + list(kwargs.values()) if isinstance(a, nn.Module)]
+        modules = _modules_in((args, kwargs))
         check_not_parametrize_cached(f"cached({func.__name__})", modules)
         for m in modules:
             check_not_fsdp(m)
@@ -121,6 +136,9 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
                                  f"{len(leaves)} that the decorated call returned (a tensor or a tuple, in order)")
             if spent[0]:
                 raise RuntimeError(f"the closure of {func.__name__} ran twice: its sub-batch is already back-propagated")
+            if any(r is not leaf for r, leaf in zip(reps_in, leaves)):
+                raise ValueError(f"the closure of {func.__name__} got representation(s) its call did not return "
+                                 "(another sub-batch's?): pass the tensors the decorated call returned with it")
             grads = [r.grad for r in reps_in]
             if all(g is None for g in grads):
                 raise RuntimeError(
@@ -183,6 +201,20 @@ def cat_input_tensor(func: Callable[..., Any]) -> Callable[..., Any]:
     return cat_f
 
 
+_GATHER_DIMS = 8  # dimensions a gathered tensor may have (each one's size is compared across ranks)
+_GATHER_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                  torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)
+
+
+def _dtype_index(dtype: torch.dtype) -> int:
+    """1 + the position of ``dtype`` in _GATHER_DTYPES (0: another dtype)."""
+    return _GATHER_DTYPES.index(dtype) + 1 if dtype in _GATHER_DTYPES else 0
+
+
+def _dim_text(v: float) -> str:
+    return "none" if v < 0 else str(int(v))
+
+
 def _gathered(t: Any, axis: int) -> Any:
     """``t`` all-gathered from every rank of the default group and concatenated on ``axis`` (ranks
     may hold different sizes there); this rank's part is ``t`` itself, so only it carries a gradient."""
@@ -197,7 +229,26 @@ def _gathered(t: Any, axis: int) -> Any:
         raise ValueError("gather_input_tensor gathers from the default process group: torch.distributed is not "
                          "initialised (call init_process_group first)")
     ring = Ring.of(dist.group.WORLD)
-    sizes = [int(n) for n in agree(ring, t.device, {"rows": t.shape[axis]}, what="gather_input_tensor")["rows"]]
+    # every rank checks its tensor and exchanges its shape and dtype before any data moves: a
+    # mismatch (another width, dtype or rank of tensor) is one ValueError on every rank, never bytes
+    # read as another shape or a crashed peer
+    problem = None
+    if t.dim() == 0:
+        problem = ("a 0-d tensor cannot be gathered (a scale or temperature: keep it out of the gathered "
+                   "arguments, or pass a python number)")
+    elif not -t.dim() <= axis < t.dim():
+        problem = f"axis {axis} is out of range for a tensor of shape {tuple(t.shape)}"
+    elif t.dim() > _GATHER_DIMS:
+        problem = f"tensors of more than {_GATHER_DIMS} dimensions are not gathered, got {t.dim()}"
+    shape = list(t.shape) if problem is None else []
+    rows = shape.pop(axis) if shape else 0
+    fields = {"rows": rows, "ndim": t.dim(), "dtype_index": _dtype_index(t.dtype)}
+    fields.update({f"dim{i}": shape[i] if i < len(shape) else -1 for i in range(_GATHER_DIMS - 1)})
+    shown = {"dtype_index": ("the dtype", lambda v: str(_GATHER_DTYPES[int(v) - 1]) if v >= 1 else "another dtype"),
+             **{f"dim{i}": (f"size {i} beside the gathered axis", _dim_text) for i in range(_GATHER_DIMS - 1)}}
+    table = agree(ring, t.device, fields, same=["ndim", "dtype_index"] + [f"dim{i}" for i in range(_GATHER_DIMS - 1)],
+                  local_error=problem, shown=shown, what="gather_input_tensor")
+    sizes = [int(n) for n in table["rows"]]
     parts = [p.movedim(0, axis) for p in all_gather_rows(t.movedim(axis, 0), ring, sizes)]
     parts[ring.rank] = t
     return torch.cat(parts, dim=axis)
