@@ -105,7 +105,13 @@ def test_cached_encode_autograd_grad_wrt_parameters_is_a_clear_error():
     base, y, _, temp, eq, ep = setup(False)
     loss = loss_fn(cached_encode(eq, base, 4), ep(y), temp)
     with pytest.raises(RuntimeError, match="autograd.grad cannot return the encoder's parameter gradients"):
-        torch.autograd.grad(loss, [eq[0].weight])
+        torch.autograd.grad(loss, [eq[0].weight], retain_graph=True)
+    # the refusal spends nothing: the caller's backward that follows runs (it said "backward ran twice")
+    loss.backward()
+    ref_q, ref_p = setup(False)[4:6]
+    loss_fn(ref_q(base), ref_p(y), temp).backward()
+    for p, r in zip(eq.parameters(), ref_q.parameters()):
+        assert_rel(p.grad, r.grad, 1e-10, "query encoder after the refused autograd.grad")
 
 
 def test_cached_encode_lists_lazy_parameters_once_materialised():

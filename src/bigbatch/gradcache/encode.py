@@ -59,12 +59,13 @@ class _CachedEncode(torch.autograd.Function):
         units, opts = ctx.units, ctx.opts
         if units is not None:  # before any chunk re-runs (the node stays usable outside the block)
             check_not_parametrize_cached("cached_encode's backward", list({id(u.model): u.model for u in units}.values()))
-        ctx.units = None  # a second backward through this node is an error (its graphs are spent)
         if units is None:
             raise RuntimeError("cached_encode: backward ran twice through the same representations (e.g. "
                                "l1.backward(retain_graph=True); l2.backward()): its chunks are re-run once, in "
                                "the first backward; back-propagate the sum of the losses once (l1 + l2)")
+        # before the node is spent: a refused torch.autograd.grad leaves it for the caller's backward
         targets = _targets(ctx.anchor, ctx.params)
+        ctx.units = None  # a second backward through this node is an error (its graphs are spent)
         if targets is not None:
             opts = replace(opts, grad_targets=targets + ctx.boundaries)
         with torch.enable_grad():
