@@ -224,3 +224,24 @@ def test_integer_tensor_scale_and_bias_are_promoted_as_openclip_does(backend):
         want = bigbatch.siglip_loss(img, txt, f, -3.0, backend=backend)
         assert bigbatch.siglip_loss(img, txt, scale, torch.tensor(-3), backend=backend) == want
         assert bigbatch.SigLipLoss(backend=backend)(img, txt, scale, torch.tensor(-3)) == want
+
+
+def test_backend_name_is_not_a_setting():
+    """`name` was a constructor field placed before `workspace_bytes`: TorchSigmoid(None, None, 1 << 20)
+    stored 1 << 20 as the name and kept the default workspace, silently."""
+    from bigbatch.backends import TorchSigmoid
+
+    assert TorchSigmoid(None, None, 1 << 20).workspace_bytes == 1 << 20
+    assert TorchTiles().name == "torch" and TorchSigmoid().name == "torch"
+    for cls in (TorchTiles, TorchSigmoid):
+        with pytest.raises(TypeError):
+            cls(name="other")
+
+
+def test_openclip_rank_and_world_size_may_be_numpy_ints():
+    np = pytest.importorskip("numpy")
+    img, txt = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    want = bigbatch.clip_loss(img, txt, 2.0)
+    assert bigbatch.ClipLoss(rank=np.int64(0), world_size=np.int64(1))(img, txt, 2.0) == want
+    with pytest.raises(ValueError, match="rank must be a non-negative int"):
+        bigbatch.ClipLoss(rank=np.int64(-1), world_size=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import numbers
 from typing import Dict, Optional, Union
 
 import torch
@@ -22,8 +23,9 @@ def openclip_group(group, rank: int, world_size: int, use_horovod: bool):
         raise ValueError("use_horovod=True: bigbatch communicates through torch.distributed only "
                          "(pass group=<process group>, or rank/world_size of the initialised default group)")
     for name, v in (("rank", rank), ("world_size", world_size)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 0:  # numpy ints too
             raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    rank, world_size = int(rank), int(world_size)
     if world_size < 1 or rank >= world_size:
         raise ValueError(f"rank must be in [0, world_size) and world_size >= 1, got rank={rank}, world_size={world_size}")
     if group is None and world_size == 1:

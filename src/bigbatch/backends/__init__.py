@@ -126,7 +126,9 @@ def resolve_backend(
     if not isinstance(backend, str):
         if isinstance(backend, protocol):
             if not backend.supports(device):
-                raise ValueError(f"backend {backend.name!r} cannot run on device {device}" + _late_interpreter(device, op))
+                hint = (" (the fused kernels need CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported "
+                        "for CPU tensors)" if backend.name == "triton" and device.type == "cpu" else "")
+                raise ValueError(f"backend {backend.name!r} cannot run on device {device}{hint}" + _late_interpreter(device, op))
             return backend
         raise TypeError(f"backend must be one of {BACKEND_NAMES} or {what}, got {type(backend).__name__}")
     if backend not in BACKEND_NAMES:

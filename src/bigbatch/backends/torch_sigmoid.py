@@ -8,7 +8,7 @@ when no accumulator is given). Workspace: a few tiles in the compute dtype; neve
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional, Tuple
 
 import torch
@@ -66,7 +66,7 @@ class TorchSigmoid:
 
     tile_rows: Optional[int] = None
     tile_cols: Optional[int] = None
-    name: str = "torch"
+    name: str = field(default="torch", init=False)  # the backend's kind, not a setting
     workspace_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ pass over the tiles (2*B*N*D); ``lse_grad`` recomputes each tile once and forms 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -81,7 +81,7 @@ class TorchTiles:
 
     tile_rows: Optional[int] = None
     tile_cols: Optional[int] = None
-    name: str = "torch"
+    name: str = field(default="torch", init=False)  # the backend's kind, not a setting
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)

@@ -17,7 +17,7 @@ never M x N.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional, Tuple
 
 import torch
@@ -185,7 +185,7 @@ class TritonSigmoid:
     fp32_precision: Optional[str] = None
     block: Optional[Tuple[int, ...]] = None
     fast_math: bool = True
-    name: str = "triton"
+    name: str = field(default="triton", init=False)  # the backend's kind, not a setting
     workspace_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:

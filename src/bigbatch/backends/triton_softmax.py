@@ -147,7 +147,7 @@ class TritonTiles:
     block_d: Optional[int] = None
     super_tile: Optional[Tuple[int, int]] = None
     tune: Optional[Dict[str, Any]] = field(default=None, compare=False, hash=False)
-    name: str = "triton"
+    name: str = field(default="triton", init=False)  # the backend's kind, not a setting
 
     def __post_init__(self) -> None:
         check_fp32_precision("TritonTiles", "precision", self.precision)
