@@ -146,6 +146,14 @@ def reduce(per_row: Tensor, reduction: str) -> Tensor:
     return per_row
 
 
+def require_group(group: object, loss: str) -> object:
+    """An initialised process group for the ring entry point ``ring_{loss}_loss`` (``None`` refused)."""
+    group = check_group(group)
+    if group is None:
+        raise ValueError(f"ring_{loss}_loss needs a process group (group=...); without one use bigbatch.{loss}_loss")
+    return group
+
+
 def check_group(group: object) -> Optional[object]:
     """``None`` (no communication) or an initialised torch.distributed process group."""
     if group is None:

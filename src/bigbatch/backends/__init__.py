@@ -64,12 +64,14 @@ def _interpreted(op: str) -> bool:
     return all(_KERNELS_INTERPRETED.get(m, True) for m in _OP_KERNELS[op])
 
 
-def _late_interpreter(device: torch.device, op: str) -> str:
-    """Why a CPU device is refused although TRITON_INTERPRET asks for the interpreter now, or ''."""
+def _triton_refusal(device: torch.device, op: str) -> str:
+    """What the Triton backend needs, for a device it cannot run on (and why a CPU device is refused
+    although TRITON_INTERPRET asks for the interpreter now)."""
+    why = f"needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got tensors on {device}"
     if device.type == "cpu" and triton_interpreted() and not _interpreted(op):  # (imported without it)
-        return ("; TRITON_INTERPRET was set after triton was imported (Triton fixes it at import): set it "
+        why += ("; TRITON_INTERPRET was set after triton was imported (Triton fixes it at import): set it "
                 "before anything imports triton")
-    return ""
+    return why
 
 
 def triton_runs_on(device: torch.device, op: str = "softmax") -> bool:
@@ -126,9 +128,8 @@ def resolve_backend(
     if not isinstance(backend, str):
         if isinstance(backend, protocol):
             if not backend.supports(device):
-                hint = (" (the fused kernels need CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported "
-                        "for CPU tensors)" if backend.name == "triton" and device.type == "cpu" else "")
-                raise ValueError(f"backend {backend.name!r} cannot run on device {device}{hint}" + _late_interpreter(device, op))
+                why = _triton_refusal(device, op) if backend.name == "triton" else f"cannot run on device {device}"
+                raise ValueError(f"backend {backend.name!r} {why}")
             return backend
         raise TypeError(f"backend must be one of {BACKEND_NAMES} or {what}, got {type(backend).__name__}")
     if backend not in BACKEND_NAMES:
@@ -141,10 +142,7 @@ def resolve_backend(
         # checked before the kernel module is imported: Triton fixes at @triton.jit time whether a
         # kernel is interpreted, so importing it under the wrong setting would stick for the process
         if not triton_runs_on(device, op):
-            raise ValueError(
-                f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), "
-                f"got tensors on {device}" + _late_interpreter(device, op)
-            )
+            raise ValueError(f"backend='triton' {_triton_refusal(device, op)}")
         if dtype == torch.float64:
             raise ValueError("backend='triton' takes float16/bfloat16/float32 features, got float64; use backend='torch'")
         return _make_triton(op)

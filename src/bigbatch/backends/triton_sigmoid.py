@@ -140,8 +140,6 @@ def _siglip_tile_kernel(
 kernels_imported(__name__, _siglip_tile_kernel)  # interpreted or compiled: fixed by @triton.jit at import
 
 
-
-
 _TILE_ALIGN = 256  # a multiple of every BLOCK_M / BLOCK_N the configs use
 
 

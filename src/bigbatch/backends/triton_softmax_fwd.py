@@ -34,7 +34,6 @@ import triton.language as tl
 
 from . import kernels_imported
 
-
 LOG2E = tl.constexpr(1.4426950408889634)
 
 

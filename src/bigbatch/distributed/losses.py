@@ -149,12 +149,10 @@ def _plan(ring: Ring, table: dict, q: Tensor, labels: Optional[Tensor], *, cols:
 def _checked(kind: str, q: Tensor, k: Tensor, scale: Any, backend: Any, group: Any, reduction: str = "mean"):
     """The public entry points' input checks (those of ``bigbatch.clip_loss`` / ``infonce_loss``,
     raised on every rank): ``(group, scale as a 0-d tensor, backend resolved)``."""
-    from .._validate import check_group
+    from .._validate import require_group
     from ..functional import _check_inputs
 
-    group = check_group(group)
-    if group is None:
-        raise ValueError(f"ring_{kind}_loss needs a process group (group=...); without one use bigbatch.{kind}_loss")
+    group = require_group(group, kind)
     names = ("image_features", "text_features") if kind == "clip" else ("queries", "keys")
     s, impl = _check_inputs(names[0], q, names[1], k, scale, backend, same_rows=False, group=group, kind=kind,
                             reduction=reduction)

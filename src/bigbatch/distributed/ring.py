@@ -38,13 +38,16 @@ from torch import Tensor
 
 __all__ = ["Pending", "Ring", "agree", "device_code", "dtype_code", "exchange_device", "global_value", "offsets"]
 
-# Stable small integers for the dtypes a feature tensor may have (exchanged as metadata).
-_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+# Stable small integers for dtypes (exchanged as metadata): the feature dtypes first, then the
+# others a gathered tensor may have (gradcache's gather_input_tensor).
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool, torch.uint8, torch.int8,
+           torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128)
+_DTYPE_CODES = {dt: i + 1 for i, dt in enumerate(_DTYPES)}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 
 
 def dtype_code(dtype: torch.dtype) -> int:
-    """A small integer naming ``dtype`` (0 for dtypes features may not have)."""
+    """A small integer naming ``dtype`` (0 for a dtype not listed)."""
     return _DTYPE_CODES.get(dtype, 0)
 
 
@@ -298,7 +301,7 @@ def agree(
     if any(row[2] != rows[0][2] for row in rows):
         raise ValueError(f"{what}: the features' device type must be the same on every rank of the group, got "
                          f"[{', '.join(_device_name(row[2]) for row in rows)}] (by group rank)")
-    display = {"dtype": ("dtype", _dtype_name), **(shown or {})}
+    display = {"dtype": ("the dtype", _dtype_name), **(shown or {})}
     for name in same:
         values = table[name]
         if any(not _same(v, values[0]) for v in values):

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from .._autograd import refuse_transformed
-from .._validate import check_group, check_pair, prepare_scalar
+from .._validate import check_pair, prepare_scalar, require_group
 from ..backends.base import SigmoidBackend, compute_dtype
 from ..sigmoid_loss import check_class_ids, resolve_sigmoid_backend
 from .ring import Ring, agree, dtype_code, error_message, global_value
@@ -332,9 +332,7 @@ def ring_siglip_loss(
     ``ValueError`` on every rank instead of leaving the others waiting. ``chunk_rows`` (a positive
     int, the same on every rank) overrides the memory rule's chunk size (tests, tuning).
     """
-    group = check_group(group)
-    if group is None:
-        raise ValueError("ring_siglip_loss needs a process group (group=...); without one use bigbatch.siglip_loss")
+    group = require_group(group, "siglip")
     ring = Ring.of(group)
     device = image_features.device if isinstance(image_features, Tensor) else torch.device("cpu")
     error = None

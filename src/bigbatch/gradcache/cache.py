@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from .head import attach_head
 from .budget import ChunkProber, MemoryArg, in_use_at_start, offloads, parse_memory, planning_budget, probe_cost
 from .chunking import batch_size, check_offload_target, chunk_rows, differentiable, model_device, pin, split_chunks
-from .engine import EngineOptions, Unit, backprop, encode, finalize_plan
+from .engine import EngineOptions, Unit, autocast_state, backprop, encode, finalize_plan
 from .inputs import backward_into_originals, inputs_require_grad, with_boundaries
 from .wrappers import (DDP_SYNC_MODES, check_loss_params_outside_ddp, check_not_fsdp, check_not_parametrize_cached,
                        ddp_modules, is_model_list, warn_user)
@@ -63,17 +63,6 @@ def check_callables(**fns: Any) -> None:
 def _enabled(scaler: Any) -> bool:
     is_enabled = getattr(scaler, "is_enabled", None)
     return bool(is_enabled()) if callable(is_enabled) else True
-
-
-def _fp16_autocast_on() -> bool:
-    """Whether the caller opened a float16 autocast region (CUDA or CPU) around the step."""
-    for device_type in ("cuda", "cpu"):
-        try:
-            if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16:
-                return True
-        except (TypeError, RuntimeError, AttributeError):  # a torch without the device-type forms
-            continue
-    return False
 
 
 def check_options(autocast_dtype, scaler, ddp_sync) -> None:
@@ -324,7 +313,8 @@ class GradCache:
                                "no_grad and call the loss yourself")
         check_not_parametrize_cached("GradCache", self.models)
         _check_not_fsdp(self.models, self.get_rep_fn)  # again per step: fully_shard() converts in place
-        if self.scaler is not None and not self.fp16 and _enabled(self.scaler) and not _fp16_autocast_on():
+        if (self.scaler is not None and not self.fp16 and _enabled(self.scaler)
+                and torch.float16 not in [dt for _, dt in autocast_state()]):  # (nor a caller's fp16 region)
             raise ValueError(
                 "GradCache: an enabled scaler without fp16 (autocast_dtype is "
                 f"{self.autocast_dtype!r} and no float16 autocast region is open): the loss, and with it .grad, "

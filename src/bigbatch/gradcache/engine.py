@@ -86,6 +86,15 @@ class EngineOptions:
     detect_hidden: bool = True
 
 
+def autocast_state() -> List[Tuple[str, torch.dtype]]:
+    """The (device type, dtype) of every autocast context active now."""
+    active = []
+    for device_type in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device_type):
+            active.append((device_type, torch.get_autocast_dtype(device_type)))
+    return active
+
+
 def _autocast(device: torch.device, dtype: Optional[torch.dtype], inherit: bool = True) -> Callable[[], Any]:
     if dtype is None:
         return contextlib.nullcontext if inherit else (lambda: torch.autocast(device_type=device.type, enabled=False))

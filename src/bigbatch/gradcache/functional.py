@@ -44,22 +44,13 @@ from torch import Tensor, nn
 
 from .buffers import BufferStates, buffers_restored, recording, restoring
 from .chunking import differentiable, tensor_leaves
-from .engine import Written, chunk_backward, compact, grad_mode_dependent
+from .engine import Written, autocast_state, chunk_backward, compact, grad_mode_dependent
 from .lazy import LazyInits, skipping_inits
 from .model_state import ModelState, param_versions
 from .rng import RngState, cuda_devices_of
 from .wrappers import check_not_fsdp, check_not_parametrize_cached
 
 Reps = Union[Tensor, Tuple[Tensor, ...]]
-
-
-def _autocast_state() -> List[Tuple[str, torch.dtype]]:
-    """The (device type, dtype) of every autocast context active now."""
-    active = []
-    for device_type in ("cuda", "cpu"):
-        if torch.is_autocast_enabled(device_type):
-            active.append((device_type, torch.get_autocast_dtype(device_type)))
-    return active
 
 
 def _cuda_devices(args: Sequence[Any], kwargs: dict) -> List[int]:
@@ -109,7 +100,7 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
         for m in modules:
             check_not_fsdp(m)
         rng = RngState(_cuda_devices(args, kwargs))
-        amp = _autocast_state()
+        amp = autocast_state()
         # modules passed to func: the re-run starts from the buffers this call saw, and leaves them
         # as this call left them (BatchNorm statistics updated once)
         states = BufferStates(modules)
@@ -202,13 +193,6 @@ def cat_input_tensor(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _GATHER_DIMS = 8  # dimensions a gathered tensor may have (each one's size is compared across ranks)
-_GATHER_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-                  torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)
-
-
-def _dtype_index(dtype: torch.dtype) -> int:
-    """1 + the position of ``dtype`` in _GATHER_DTYPES (0: another dtype)."""
-    return _GATHER_DTYPES.index(dtype) + 1 if dtype in _GATHER_DTYPES else 0
 
 
 def _dim_text(v: float) -> str:
@@ -223,7 +207,7 @@ def _gathered(t: Any, axis: int) -> Any:
     import torch.distributed as dist
 
     from ..distributed.gather import all_gather_rows
-    from ..distributed.ring import Ring, agree
+    from ..distributed.ring import Ring, agree, dtype_code
 
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("gather_input_tensor gathers from the default process group: torch.distributed is not "
@@ -242,11 +226,10 @@ def _gathered(t: Any, axis: int) -> Any:
         problem = f"tensors of more than {_GATHER_DIMS} dimensions are not gathered, got {t.dim()}"
     shape = list(t.shape) if problem is None else []
     rows = shape.pop(axis) if shape else 0
-    fields = {"rows": rows, "ndim": t.dim(), "dtype_index": _dtype_index(t.dtype)}
+    fields = {"rows": rows, "ndim": t.dim(), "dtype": dtype_code(t.dtype)}
     fields.update({f"dim{i}": shape[i] if i < len(shape) else -1 for i in range(_GATHER_DIMS - 1)})
-    shown = {"dtype_index": ("the dtype", lambda v: str(_GATHER_DTYPES[int(v) - 1]) if v >= 1 else "another dtype"),
-             **{f"dim{i}": (f"size {i} beside the gathered axis", _dim_text) for i in range(_GATHER_DIMS - 1)}}
-    table = agree(ring, t.device, fields, same=["ndim", "dtype_index"] + [f"dim{i}" for i in range(_GATHER_DIMS - 1)],
+    shown = {f"dim{i}": (f"size {i} beside the gathered axis", _dim_text) for i in range(_GATHER_DIMS - 1)}
+    table = agree(ring, t.device, fields, same=["ndim", "dtype"] + [f"dim{i}" for i in range(_GATHER_DIMS - 1)],
                   local_error=problem, shown=shown, what="gather_input_tensor")
     sizes = [int(n) for n in table["rows"]]
     parts = [p.movedim(0, axis) for p in all_gather_rows(t.movedim(axis, 0), ring, sizes)]
