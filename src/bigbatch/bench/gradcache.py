@@ -11,6 +11,7 @@ same dropout masks) runs first.
 
     python -m bigbatch.bench.gradcache                    # the H200 run (JSON + PNG)
     python -m bigbatch.bench.gradcache --tiny --cpu       # a dry run of the code paths (~1 min on 2 cores; JSON in /tmp)
+    python -m bigbatch.bench.gradcache --compile --skip public offload   # both encoders torch.compile'd, every method
 """
 
 from __future__ import annotations
@@ -119,6 +120,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="tiny BERT (CPU dry run)")
     p.add_argument("--cpu", action="store_true")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile(dynamic=True) both encoders; every method (full step, public, bigbatch) runs the compiled "
+                        "modules (default JSON: benchmarks/results/gradcache_compiled_h200.json)")
     p.add_argument("--skip", nargs="*", default=[], choices=["full", "public", "bigbatch", "offload"])
     p.add_argument("--public-batches", type=int, nargs="*", default=None,
                    help="batch sizes at which the public GradCache runs (default: all)")
@@ -140,8 +144,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         # a CPU run would otherwise write the H200 results file with CPU numbers
         print("this benchmark needs a CUDA GPU (or --cpu / --tiny for a dry run)", file=sys.stderr)
         return 2
-    args.out = output_path(p, args, "benchmarks/results/gradcache_h200.json",
-                           "gradcache_dry_run.json" if dry else "gradcache_h200.json",
+    stem = "gradcache_compiled" if args.compile else "gradcache"
+    args.out = output_path(p, args, f"benchmarks/results/{stem}_h200.json",
+                           f"{stem}_dry_run.json" if dry else f"{stem}_h200.json",
                            ["batches", "budget", "public_chunk", "q_len", "p_len", "skip", "public_batches",
                             "offload_batches"], canonical=not dry)
     if args.batches is None:
@@ -159,11 +164,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     setup = DualEncoder(device, args.tiny)
     mq, mp, cfg, params, loss_fn = setup.mq, setup.mp, setup.cfg, setup.params, setup.loss_fn
+    if args.compile:
+        # one dynamic graph per grad mode instead of a recompile per chunk / batch shape; the
+        # compiled modules share the eager ones' parameters, so `params` and the .grad stay theirs
+        mq, mp = torch.compile(mq, dynamic=True), torch.compile(mp, dynamic=True)
 
     amp = dict(device_type=device.type, dtype=torch.bfloat16)
     result: Dict[str, Any] = {
         "benchmark": "gradcache", "hardware": hardware(), "args": vars(args),
-        "model": "2 x BertModel(BertConfig()) random weights, train mode" if not args.tiny else "tiny BERT",
+        "model": ("2 x BertModel(BertConfig()) random weights, train mode" if not args.tiny else "tiny BERT")
+                 + (", torch.compile(dynamic=True)" if args.compile else ""),
         "loss": "bigbatch.clip_loss(backend='torch'), learned scale", "rows": [],
     }
     if cuda:
@@ -294,6 +304,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             "peak_spread": max(ok) / min(ok) - 1,
             "ratios_vs_full": [r.get("bigbatch_over_full") for r in result["rows"]],
         }
+    if args.compile:
+        from torch._dynamo.utils import counters  # how many graphs dynamo built (recompiles show here)
+
+        result["compile_stats"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break")}
     write_json(args.out, result)
     _plot(result, Path(args.out).with_suffix(".png"))
     print(f"{'B':>6} {'full ms':>9} {'public ms':>10} {'bigbatch ms':>12} {'bb/full':>8} {'ideal':>6} {'full GiB':>9} {'pub GiB':>8} {'bb GiB':>7} chunks")
