@@ -92,9 +92,9 @@ def grads(params):
 
 
 def cut(x, n):
-    """Chunks of ``x``: ``n`` rows each (short chunk first, as GradCache with chunk_sizes=n), or the
+    """Chunks of ``x``: ``n`` rows each (the short chunk last, as GradCache with chunk_sizes=n), or the
     row counts of a list (``gc.last_chunk_rows[i]`` of a budget-sized step)."""
-    return split_batch(x, n, short_first=True) if isinstance(n, int) else split_rows(x, n)
+    return split_batch(x, n) if isinstance(n, int) else split_rows(x, n)
 
 
 def reference(models, inputs, chunk, loss_fn, seed, autocast=None, **loss_kwargs):
@@ -514,12 +514,12 @@ def test_no_kept_graph_survives_an_error():
         gc(x, x)
 
 
-def test_split_batch_short_first_and_types():
+def test_split_batch_short_last_and_types():
     from transformers import BatchEncoding
 
     x = BatchEncoding({"input_ids": torch.arange(10).view(10, 1), "flag": torch.tensor(1.0), "name": "q"})
-    chunks = split_batch(x, 4, short_first=True)
-    assert [c["input_ids"].shape[0] for c in chunks] == [2, 4, 4]
+    chunks = split_batch(x, 4)
+    assert [c["input_ids"].shape[0] for c in chunks] == [4, 4, 2]
     assert all(isinstance(c, BatchEncoding) and c["name"] == "q" and c["flag"].dim() == 0 for c in chunks)
     assert torch.equal(torch.cat([c["input_ids"] for c in chunks]), x["input_ids"])
     assert [c.shape[0] for c in split_batch(torch.zeros(10, 2), 4)] == [4, 4, 2]
@@ -656,8 +656,8 @@ def test_frozen_tower(keep):
     hook.remove()
     assert abs(loss.item() - ref_loss.item()) <= TOL * abs(ref_loss.item())
     check_grads(params, ref, TOL, "frozen tower")
-    assert calls == [3, 4, 4] and gc.last_kept_rows[0] == 0  # one pass, nothing kept for the frozen tower
-    assert gc.last_kept_rows[1] == (4 if keep else 0)
+    assert calls == [4, 4, 3] and gc.last_kept_rows[0] == 0  # one pass, nothing kept for the frozen tower
+    assert gc.last_kept_rows[1] == (3 if keep else 0)
     after = torch.rand(3)
     reference(models, [x, y], 4, clip(), seed=7)
     assert torch.equal(after, torch.rand(3))

@@ -41,7 +41,7 @@ def data(b: int, seed: int):
 def reference(m, x, y, chunk: int, seed: int):
     """The same chunks (short first) in one graph: buffers updated once per chunk."""
     torch.manual_seed(seed)
-    reps = [torch.cat([m(c) for c in split_batch(t, chunk, short_first=True)]) for t in (x, y)]
+    reps = [torch.cat([m(c) for c in split_batch(t, chunk)]) for t in (x, y)]
     loss_fn(*reps).backward()
 
 
@@ -139,7 +139,7 @@ def test_cached_encode_beside_a_plain_forward_of_the_same_batchnorm_model():
     torch.manual_seed(9)
     loss_fn(cached_encode(m, x, 4), m(y)).backward()
     torch.manual_seed(9)
-    rx = torch.cat([ref(c) for c in split_batch(x, 4, short_first=True)])
+    rx = torch.cat([ref(c) for c in split_batch(x, 4)])
     loss_fn(rx, ref(y)).backward()
     for a, b in zip(state(m), state(ref)):
         assert torch.allclose(a.double(), b.double(), rtol=1e-12, atol=1e-14)
@@ -178,7 +178,7 @@ def step_with(api: str, m: nn.Module, x, y, chunk: int) -> None:
         loss_fn(cached_encode(m, x, chunk), cached_encode(m, y, chunk)).backward()
     else:  # the functional closures, one per chunk
         enc = cached(lambda model, v: model(v))
-        outs = [(t_i, enc(m, c)) for t_i, t in enumerate((x, y)) for c in split_batch(t, chunk, short_first=True)]
+        outs = [(t_i, enc(m, c)) for t_i, t in enumerate((x, y)) for c in split_batch(t, chunk)]
         loss_fn(*[torch.cat([r for i, (r, _) in outs if i == side]) for side in (0, 1)]).backward()
         for _, (r, f) in outs:
             f(r)
@@ -353,7 +353,7 @@ def _ddp_buffer_worker(rank: int, world: int, api: str, record_all: bool):
             reference(ref, x, y, 4, seed=step)
         else:
             torch.manual_seed(step)
-            a, b, c = (torch.cat([ref(ch) for ch in split_batch(t, 4, short_first=True)]) for t in (x, y, x + 1))
+            a, b, c = (torch.cat([ref(ch) for ch in split_batch(t, 4)]) for t in (x, y, x + 1))
             (loss_fn(a, b) + loss_fn(c, b)).backward()
         for p in ref.parameters():
             dist.all_reduce(p.grad)
@@ -626,7 +626,7 @@ def test_each_models_frozen_state_is_watched(keep):
     torch.manual_seed(0)
     ra, rb = nn.Linear(5, 6).to(F64), FrozenParamScale().to(F64)
     torch.manual_seed(1)
-    reps = [torch.cat([m(c) for c in split_batch(t, 4, short_first=True)]) for m, t in ((ra, x), (rb, y))]
+    reps = [torch.cat([m(c) for c in split_batch(t, 4)]) for m, t in ((ra, x), (rb, y))]
     loss_fn(*reps).backward()
     torch.manual_seed(1)
     GradCache([a, b], chunk_sizes=4, loss_fn=loss_fn, keep_last_graph=keep)(x, y)
@@ -672,7 +672,7 @@ def test_frozen_state_shared_between_models(writer, keep):
     a, b = build()
     ra, rb = build()
     torch.manual_seed(1)
-    reps = [torch.cat([m(c) for c in split_batch(t, 4, short_first=True)]) for m, t in ((ra, x), (rb, y))]
+    reps = [torch.cat([m(c) for c in split_batch(t, 4)]) for m, t in ((ra, x), (rb, y))]
     loss_fn(*reps).backward()
     torch.manual_seed(1)
     GradCache([a, b], chunk_sizes=4, loss_fn=loss_fn, keep_last_graph=keep)(x, y)

@@ -58,12 +58,13 @@ def test_no_sync_except_last_is_a_step_option(flag):
         assert_rel(g, r, 1e-5, "grad")
 
 
+@pytest.mark.parametrize("rows", [12, 11, 9])
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
-def test_same_gradients_as_the_public_gradcache(dropout):
+def test_same_gradients_as_the_public_gradcache(dropout, rows):
     """The public GradCache (PyPI gradcache 0.0.1, unmodified) as an oracle: same models, chunk
-    boundaries and seed give the same loss and gradients (its class API replays random state too).
-    Its splitter puts the short chunk last and it re-runs every chunk; bigbatch's splitter puts it
-    first, so the batch is a multiple of the chunk size here and both see the same chunks."""
+    size and seed give the same loss and gradients (its class API replays random state too), also
+    where the batch is not a multiple of the chunk: both cut the short chunk last, so dropout draws
+    the same masks (bigbatch keeps the last chunk's graph, the public package re-runs it)."""
     from bigbatch.bench.gradcache import load_public_gradcache
 
     public_cls, note = load_public_gradcache()
@@ -71,12 +72,15 @@ def test_same_gradients_as_the_public_gradcache(dropout):
     torch.manual_seed(0)
 
     def model():
-        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(dropout), nn.LayerNorm(16), nn.Linear(16, 8)).double()
+        # two dropout layers: each chunk draws layer 1's masks, then layer 2's, so the masks depend
+        # on where the chunks are cut (with one layer the stream would be read in row order anyway)
+        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(dropout), nn.LayerNorm(16), nn.Linear(16, 16),
+                             nn.Dropout(dropout), nn.Linear(16, 8)).double()
 
     def loss_fn(q, p, scale=5.0):
         return bigbatch.clip_loss(q, p, scale, backend="reference")
 
-    x, y = torch.randn(12, 6, dtype=torch.float64), torch.randn(12, 6, dtype=torch.float64)
+    x, y = torch.randn(rows, 6, dtype=torch.float64), torch.randn(rows, 6, dtype=torch.float64)
     results = []
     for make in (lambda ms: public_cls(ms, 4, loss_fn=loss_fn), lambda ms: GradCache(ms, chunk_sizes=4, loss_fn=loss_fn)):
         torch.manual_seed(1)
@@ -138,7 +142,7 @@ def test_public_constructor_positions_and_attributes():
     gc.chunk_sizes[1] = 3
     x = torch.randn(5, 3, dtype=torch.float64)
     loss = gc(x, x)
-    assert loss.shape == (1,) and gc.last_chunk_rows == [[1, 2, 2], [2, 3]]
+    assert loss.shape == (1,) and gc.last_chunk_rows == [[2, 2, 1], [3, 2]]
 
 
 def test_subclass_hook_overrides_are_refused():

@@ -75,8 +75,8 @@ def test_compiled_bert_bf16_matches_the_full_batch(compiled, api):
         t.grad = None
     torch.manual_seed(5)  # reference: the same chunks (dropout masks), one graph, compiled as well
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ref_loss = _loss(torch.cat([_cls(cq(**c)) for c in split_batch(q, 8, short_first=True)]),
-                         torch.cat([_cls(cp(**c)) for c in split_batch(p, 8, short_first=True)]))
+        ref_loss = _loss(torch.cat([_cls(cq(**c)) for c in split_batch(q, 8)]),
+                         torch.cat([_cls(cp(**c)) for c in split_batch(p, 8)]))
     ref_loss.backward()
     ref = _grads(params)
     for t in params:

@@ -355,7 +355,7 @@ def test_pass_one_takes_the_path_of_a_forward_with_grad(api):
     with torch.no_grad():
         fast = m(x, pad)
     assert (fast - m(x, pad)).abs().max() > 0.1  # the two paths really differ here
-    ref = [torch.cat([m(*c) for c in split_batch((t, pad), 3, short_first=True)]) for t in (x, y)]
+    ref = [torch.cat([m(*c) for c in split_batch((t, pad), 3)]) for t in (x, y)]
     clip(*ref).backward()
     expected = [p.grad.clone() for p in m.parameters()]
     m.zero_grad(set_to_none=True)
@@ -365,7 +365,7 @@ def test_pass_one_takes_the_path_of_a_forward_with_grad(api):
         clip(cached_encode(m, (x, pad), 3), cached_encode(m, (y, pad), 3)).backward()
     else:
         enc = cached(lambda model, v, p: model(v, p))
-        outs = [(i, enc(m, *c)) for i, t in enumerate((x, y)) for c in split_batch((t, pad), 3, short_first=True)]
+        outs = [(i, enc(m, *c)) for i, t in enumerate((x, y)) for c in split_batch((t, pad), 3)]
         clip(*[torch.cat([r for j, (r, _) in outs if j == i]) for i in (0, 1)]).backward()
         for _, (r, f) in outs:
             f(r)
@@ -380,7 +380,7 @@ def test_cached_encode_output_can_be_modified_in_place():
     m = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.2)).to(F64)
     x, y = torch.randn(10, 6, dtype=F64), torch.randn(10, 6, dtype=F64)
     torch.manual_seed(1)
-    ref = [torch.cat([m(c) for c in split_batch(t, 3, short_first=True)]) for t in (x, y)]
+    ref = [torch.cat([m(c) for c in split_batch(t, 3)]) for t in (x, y)]
     torch.manual_seed(1)
     q, k = cached_encode(m, x, 3), cached_encode(m, y, 3)
     q.mul_(2.0)
@@ -439,7 +439,7 @@ def _same_chunks_reference(m, inputs, chunk, loss, seed, params):
     from bigbatch.gradcache.chunking import split_batch
 
     torch.manual_seed(seed)
-    reps = [torch.cat([m(c) for c in split_batch(t, chunk, short_first=True)]) for t in inputs]
+    reps = [torch.cat([m(c) for c in split_batch(t, chunk)]) for t in inputs]
     return torch.autograd.grad(loss(*reps), params)
 
 
@@ -500,7 +500,7 @@ def test_trainable_tensors_the_model_does_not_register(api, where):
 
         model, get_rep, params = Functional(), (lambda out: out), list(weights.values())
     torch.manual_seed(1)
-    reps = [torch.cat([get_rep(model(c)) for c in split_batch(t, 4, short_first=True)]) for t in (x, y)]
+    reps = [torch.cat([get_rep(model(c)) for c in split_batch(t, 4)]) for t in (x, y)]
     expected = torch.autograd.grad(clip(*reps), params)
     torch.manual_seed(1)
     if api == "gradcache":
@@ -543,7 +543,7 @@ def test_a_wrapper_that_only_calls_a_frozen_tower_sends_no_gradient(api):
     x, y = torch.randn(9, 6, generator=g, dtype=F64), torch.randn(9, 6, generator=g, dtype=F64)
     params = list(towers.text.parameters())
     torch.manual_seed(2)
-    reps = [torch.cat([f(c) for c in split_batch(t, 4, short_first=True)]) for f, t in ((img, x), (txt, y))]
+    reps = [torch.cat([f(c) for c in split_batch(t, 4)]) for f, t in ((img, x), (txt, y))]
     expected = torch.autograd.grad(clip(*reps), params)
     torch.manual_seed(2)
     if api == "gradcache":
@@ -1046,7 +1046,7 @@ def test_unregistered_trainables_with_a_graph_of_their_own(api):
     a, b, merge = model.a, model.b, model.merge
     merge()
     torch.manual_seed(1)
-    reps = [torch.cat([model(c) for c in split_batch(t, 4, short_first=True)]) for t in (x, y)]
+    reps = [torch.cat([model(c) for c in split_batch(t, 4)]) for t in (x, y)]
     expected = torch.autograd.grad(clip(*reps), [a, b])
     merge()
     torch.manual_seed(1)

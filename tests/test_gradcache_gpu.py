@@ -60,7 +60,7 @@ def reference(models, inputs, chunks, seed, amp_dtype=None, scale=1.0):
     torch.manual_seed(seed)
     ctx = torch.autocast("cuda", dtype=amp_dtype) if amp_dtype else torch.autocast("cuda", enabled=False)
     with ctx:
-        reps = [torch.cat([cls(m(**c)) for c in (split_batch(x, n, short_first=True) if isinstance(n, int) else split_rows(x, n))])
+        reps = [torch.cat([cls(m(**c)) for c in (split_batch(x, n) if isinstance(n, int) else split_rows(x, n))])
                 for m, x, n in zip(models, inputs, chunks)]
         loss = loss_fn(*reps)
     (loss * scale).backward()
@@ -239,7 +239,7 @@ def test_model_split_over_two_gpus_replays_both_generators(api):
         return [torch.cuda.get_rng_state(d) for d in (0, 1)]
 
     torch.manual_seed(1)
-    loss(*[torch.cat([m(c) for c in split_batch(t, 4, short_first=True)]) for t in (x, y)]).backward()
+    loss(*[torch.cat([m(c) for c in split_batch(t, 4)]) for t in (x, y)]).backward()
     ref, ref_streams = [p.grad.clone() for p in m.parameters()], streams()
     m.zero_grad(set_to_none=True)
     torch.manual_seed(1)
@@ -302,7 +302,7 @@ def test_parameterless_wrapper_runs_on_its_inputs_gpu(api):
     model = Functional()
     clip = lambda a, b: bigbatch.clip_loss(a, b, 5.0, backend="torch")  # noqa: E731
     torch.manual_seed(1)
-    reps = [torch.cat([model(c) for c in split_batch(t, 4, short_first=True)]) for t in (x, y)]
+    reps = [torch.cat([model(c) for c in split_batch(t, 4)]) for t in (x, y)]
     want = torch.autograd.grad(clip(*reps), list(weights.values()))
     torch.manual_seed(1)
     if api == "gradcache":

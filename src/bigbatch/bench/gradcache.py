@@ -192,8 +192,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         t.grad.zero_()
     torch.manual_seed(5)
     with torch.autocast(**amp):  # reference: the same chunks, one graph over the whole batch
-        q = torch.cat([_rep(mq(**c)) for c in bigbatch.gradcache.chunking.split_batch(qi, 16, short_first=True)])
-        k = torch.cat([_rep(mp(**c)) for c in bigbatch.gradcache.chunking.split_batch(pi, 16, short_first=True)])
+        q = torch.cat([_rep(mq(**c)) for c in bigbatch.gradcache.chunking.split_batch(qi, 16)])
+        k = torch.cat([_rep(mp(**c)) for c in bigbatch.gradcache.chunking.split_batch(pi, 16)])
         ref_loss = loss_fn(q, k)
     ref_loss.backward()
     g_ref = grads()

@@ -96,19 +96,18 @@ def _remap(like: Mapping, items: dict) -> Any:
         return dict(items)
 
 
-def split_batch(x: Any, chunk_size: int, *, short_first: bool = False) -> List[Any]:
-    """``x`` cut into consecutive chunks of ``chunk_size`` rows; the one shorter chunk (if B is not
-    a multiple) comes last, or first with ``short_first`` (GradCache keeps the graph of the last
-    chunk, so a full-size last chunk saves the most recomputation)."""
+def split_batch(x: Any, chunk_size: int) -> List[Any]:
+    """``x`` cut into consecutive chunks of ``chunk_size`` rows, the one shorter chunk (if B is not a
+    multiple) last: ``torch.split``'s and the public GradCache's chunks, so that a model whose output
+    depends on the chunking (dropout masks are drawn per chunk, BatchNorm in training) gives the
+    public package's result for the same chunk size."""
     if isinstance(chunk_size, numbers.Integral) and not isinstance(chunk_size, bool):
         chunk_size = int(chunk_size)  # numpy ints, as GradCache's chunk_sizes accepts them
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     b = batch_size(x)
     n = -(-b // chunk_size)
-    tail = b - (n - 1) * chunk_size
-    rows = [chunk_size] * (n - 1)
-    return split_rows(x, [tail] + rows if short_first else rows + [tail])
+    return split_rows(x, [chunk_size] * (n - 1) + [b - (n - 1) * chunk_size])
 
 
 def planned_rows(b: int, fit: int) -> List[int]:
@@ -132,7 +131,7 @@ def split_chunks(x: Any, chunk: int, *, split_input_fn: Optional[Callable[[Any, 
                  from_budget: bool = False) -> List[Any]:
     """The chunks of one input: ``split_input_fn(x, chunk)`` when given; for a budget-sized
     ``chunk`` (the largest that fits) :func:`planned_rows` (largest chunk last, the rest even);
-    for a chosen chunk size, chunks of that size with the short one first."""
+    for a chosen chunk size, chunks of that size with the short one last (as the public GradCache)."""
     if split_input_fn is not None:
         chunks = list(split_input_fn(x, chunk))
         if not chunks:
@@ -140,7 +139,7 @@ def split_chunks(x: Any, chunk: int, *, split_input_fn: Optional[Callable[[Any, 
         return chunks
     if from_budget:
         return split_rows(x, planned_rows(batch_size(x), chunk))
-    return split_batch(x, chunk, short_first=True)
+    return split_batch(x, chunk)
 
 
 def _per_row_lookalike(v: Any, b: int) -> bool:
