@@ -36,10 +36,10 @@ def _tiny_bert(seed: int) -> nn.Module:
     return BertModel(cfg).train()
 
 
-def _batch(b: int, seq: int, seed: int):
+def _batch(b: int, seq: int, seed: int, device: str = "cpu"):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, 97, (b, seq), generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones(b, seq, dtype=torch.long)}
+    return {"input_ids": ids.to(device), "attention_mask": torch.ones(b, seq, dtype=torch.long, device=device)}
 
 
 def _loss(a, b):
@@ -50,9 +50,12 @@ def _grads(params):
     return torch.cat([p.grad.flatten() for p in params])
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    mq, mp = _tiny_bert(0), _tiny_bert(1)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # CUDA: inductor's Triton kernels, CUDA dropout
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def compiled(request):
+    mq, mp = _tiny_bert(0).to(request.param), _tiny_bert(1).to(request.param)
     return mq, mp, torch.compile(mq, dynamic=True), torch.compile(mp, dynamic=True)
 
 
@@ -69,12 +72,13 @@ def test_compiled_modules_are_detected():
 @pytest.mark.parametrize("api", ["GradCache", "cached_encode"])
 def test_compiled_bert_bf16_matches_the_full_batch(compiled, api):
     mq, mp, cq, cp = compiled
+    dev = next(mq.parameters()).device.type
     params = list(mq.parameters()) + list(mp.parameters())
-    q, p = _batch(12, 8, 2), _batch(12, 16, 3)
+    q, p = _batch(12, 8, 2, dev), _batch(12, 16, 3, dev)
     for t in params:
         t.grad = None
     torch.manual_seed(5)  # reference: the same chunks (dropout masks), one graph, compiled as well
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(dev, dtype=torch.bfloat16):
         ref_loss = _loss(torch.cat([_cls(cq(**c)) for c in split_batch(q, 8)]),
                          torch.cat([_cls(cp(**c)) for c in split_batch(p, 8)]))
     ref_loss.backward()
@@ -85,7 +89,7 @@ def test_compiled_bert_bf16_matches_the_full_batch(compiled, api):
     if api == "GradCache":
         loss = GradCache([cq, cp], chunk_sizes=8, loss_fn=_loss, get_rep_fn=_cls, autocast_dtype=torch.bfloat16)(q, p)
     else:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(dev, dtype=torch.bfloat16):
             loss = _loss(cached_encode(cq, q, 8, get_rep_fn=_cls), cached_encode(cp, p, 8, get_rep_fn=_cls))
         loss.backward()
     # the same representations bit for bit; the gradients up to float32 accumulation order
@@ -99,8 +103,9 @@ def test_compiled_functional_cached_matches_the_full_batch(compiled):
     from bigbatch.gradcache import cached
 
     mq, mp, cq, cp = compiled
+    dev = next(mq.parameters()).device.type
     params = list(mq.parameters()) + list(mp.parameters())
-    q, p = _batch(8, 8, 4), _batch(8, 16, 5)
+    q, p = _batch(8, 8, 4, dev), _batch(8, 16, 5, dev)
 
     @cached
     def encode(model, x):
@@ -109,14 +114,14 @@ def test_compiled_functional_cached_matches_the_full_batch(compiled):
     for t in params:
         t.grad = None
     torch.manual_seed(7)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(dev, dtype=torch.bfloat16):
         ref_loss = _loss(_cls(cq(**q)), _cls(cp(**p)))
     ref_loss.backward()
     ref = _grads(params)
     for t in params:
         t.grad = None
     torch.manual_seed(7)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(dev, dtype=torch.bfloat16):
         rq, fq = encode(cq, q)
         rp, fp = encode(cp, p)
     loss = _loss(rq, rp)
