@@ -159,8 +159,8 @@ def grad_mode_dependent(model: nn.Module) -> bool:
     * an eval-mode ``nn.MultiheadAttention`` (so also ``nn.TransformerEncoder(Layer)``) takes
       PyTorch's inference fast path, whose nested tensors return zeros at padded positions where
       the path taken with a graph computes values;
-    * a ``torch.compile``'d module (``torch.compile(model)`` or ``module.compile()``, anywhere in the
-      model) runs another graph without grad: the inference graph fuses differently, so its output
+    * a ``torch.compile``'d module (``torch.compile(model)``, ``module.compile()``, a compiled
+      ``forward``, anywhere in the model) runs another graph without grad: the inference graph fuses differently, so its output
       differs from the training graph's in the last bits, and a sharp loss amplifies that (the
       benchmark's BERT check on an H200: 3.4% off the full batch's gradient instead of 0.25%).
       In grad mode, pass 1 and the re-run run one graph under one random state: bitwise equal."""
@@ -171,7 +171,17 @@ def grad_mode_dependent(model: nn.Module) -> bool:
 
 def _is_compiled(module: nn.Module) -> bool:
     optimized = getattr(getattr(getattr(torch, "_dynamo", None), "eval_frame", None), "OptimizedModule", ())
-    return isinstance(module, optimized) or getattr(module, "_compiled_call_impl", None) is not None
+    if isinstance(module, optimized) or getattr(module, "_compiled_call_impl", None) is not None:
+        return True
+    # model.forward = torch.compile(model.forward), or a class's forward decorated with torch.compile
+    return compiled_callable(module.__dict__.get("forward", getattr(type(module), "forward", None)))
+
+
+def compiled_callable(fn: Any) -> bool:
+    """Whether ``fn`` is a function (or bound method) wrapped by ``torch.compile``: it too runs
+    another graph without grad (a compiled ``get_rep_fn``, the function given to ``cached``). A
+    compiled function called *inside* an uncompiled forward cannot be seen from outside."""
+    return getattr(fn, "_torchdynamo_orig_callable", None) is not None
 
 
 class Written:
@@ -247,7 +257,7 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
         device = model_device(mine[0].model, mine[0].chunk)
         amp = _autocast(device, opts.autocast_dtype, opts.inherit_autocast)
         devices = model_cuda_devices(mine[0].model)
-        mirror = grad_mode_dependent(mine[0].model)
+        mirror = grad_mode_dependent(mine[0].model) or compiled_callable(opts.get_rep)
         lazy = LazyInits([mine[0].model])  # empty once materialised (after the first step)
         # One autocast context for all chunks of this input: autocast casts each fp32 weight to
         # half once per context, so the chunks share one cast (one ~2-bytes-per-parameter copy kept
