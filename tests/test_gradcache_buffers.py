@@ -39,7 +39,7 @@ def data(b: int, seed: int):
 
 
 def reference(m, x, y, chunk: int, seed: int):
-    """The same chunks (short first) in one graph: buffers updated once per chunk."""
+    """The same chunks (short last) in one graph: buffers updated once per chunk."""
     torch.manual_seed(seed)
     reps = [torch.cat([m(c) for c in split_batch(t, chunk)]) for t in (x, y)]
     loss_fn(*reps).backward()
@@ -171,7 +171,7 @@ def reads_its_buffers(kind: str, seed: int = 0) -> nn.Module:
 
 
 def step_with(api: str, m: nn.Module, x, y, chunk: int) -> None:
-    """One cached step of ``m`` on (x, y) in chunks of ``chunk`` rows (short first) through ``api``."""
+    """One cached step of ``m`` on (x, y) in chunks of ``chunk`` rows (short last) through ``api``."""
     if api.startswith("gradcache"):
         GradCache(m, chunk_sizes=chunk, loss_fn=loss_fn, keep_last_graph=api == "gradcache")(x, y)
     elif api == "cached_encode":

@@ -435,7 +435,7 @@ def test_budget_is_re_planned_when_a_tower_is_unfrozen():
 
 
 def _same_chunks_reference(m, inputs, chunk, loss, seed, params):
-    """Gradients of one graph over the same chunks (short first), from ``seed``."""
+    """Gradients of one graph over the same chunks (short last), from ``seed``."""
     from bigbatch.gradcache.chunking import split_batch
 
     torch.manual_seed(seed)
