@@ -32,8 +32,8 @@ for mode in ("compiled", "eager"):
 
     def ref():
         with torch.autocast(**amp):
-            q = torch.cat([_rep(mq(**c)) for c in split_batch(qi, 16, short_first=True)])
-            k = torch.cat([_rep(mp(**c)) for c in split_batch(pi, 16, short_first=True)])
+            q = torch.cat([_rep(mq(**c)) for c in split_batch(qi, 16, )])
+            k = torch.cat([_rep(mp(**c)) for c in split_batch(pi, 16, )])
             loss = setup.loss_fn(q, k)
         loss.backward()
         return loss
