@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+import bigbatch
 from bigbatch.gradcache import GradCache, cached_encode
 
 from helpers import assert_rel
@@ -1153,3 +1154,19 @@ def test_a_shared_tensor_beside_the_batch_gets_a_message_with_the_rule():
         GradCache(Scaled(), chunk_sizes=2, loss_fn=_clip)(
             {"x": torch.randn(10, 4, dtype=F64), "w": torch.ones(1, dtype=F64)},
             {"x": torch.randn(10, 4, dtype=F64), "w": torch.ones(1, dtype=F64)})
+
+
+@pytest.mark.parametrize("api", ["GradCache", "cached_encode"])
+def test_one_row_chunk_of_a_batchnorm_model_names_the_chunking(api):
+    """9 rows in chunks of 4 end in a one-row chunk, which BatchNorm1d in training refuses (the
+    whole batch would pass): the error says the chunk size made it (before: BatchNorm's own
+    message only)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+    x, y = torch.randn(9, 6), torch.randn(9, 6)
+    with pytest.raises(ValueError, match="one-row chunk of inputs.*chunk size leaves one row over"):
+        if api == "GradCache":
+            GradCache([m], chunk_sizes=4, loss_fn=lambda a, b: bigbatch.clip_loss(a, b, 2.0))(x, y)
+        else:
+            cached_encode(m, x, 4)
+    GradCache([m], chunk_sizes=3, loss_fn=lambda a, b: bigbatch.clip_loss(a, b, 2.0))(x, y)  # 3 + 3 + 3: fine

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -244,6 +244,21 @@ def _first_run(u: Unit, chunk: Any, opts: EngineOptions, devices: List[int], mir
     return rep
 
 
+@contextlib.contextmanager
+def _one_row_chunk_hint(u: Unit, n_chunks: int) -> Iterator[None]:
+    """BatchNorm in training refuses a one-row chunk of 2-D features ("Expected more than 1 value
+    per channel"), which the whole batch would pass: say that the chunking made it."""
+    try:
+        yield
+    except ValueError as exc:
+        if u.rows == 1 and n_chunks > 1 and "more than 1 value per channel" in str(exc):
+            raise ValueError(
+                f"a one-row chunk of inputs[{u.input_index}] failed BatchNorm in training mode ({exc}): the "
+                "chunk size leaves one row over (B = k * chunk + 1); choose one that does not, or pass "
+                "memory_budget= instead, whose plans avoid one-row chunks") from exc
+        raise
+
+
 def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Tensor]:
     """Pass 1. Returns one detached (B_i, ...) representation tensor per input, on the model's device."""
     per_input: List[List[Tensor]] = [[] for _ in range(n_inputs)]
@@ -265,7 +280,7 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
         with amp():
             for u, chunk in zip(mine, staged([u.chunk for u in mine], device, opts.offload_inputs)):
                 written = Written(u.chunk)
-                with recording(states, [u.model]) as record:
+                with recording(states, [u.model]) as record, _one_row_chunk_hint(u, len(mine)):
                     rep = _first_run(u, chunk, opts, devices, mirror, lazy)
                 written.check(u.rerun and not u.keep)
                 if not u.keep:
