@@ -95,10 +95,12 @@ def test_compiled_bert_bf16_matches_the_full_batch(compiled, api):
             loss = _loss(cached_encode(cq, q, 8, get_rep_fn=_cls), cached_encode(cp, p, 8, get_rep_fn=_cls))
         loss.backward()
     # the same representations bit for bit; the gradients up to float32 accumulation order
-    # (the reference adds the chunks' gradients in one backward, gradient caching chunk by chunk)
+    # (the reference adds the chunks' gradients in one backward, gradient caching chunk by chunk;
+    # on CUDA inductor's backward kernels also accumulate with atomics: 4.1e-6 for GradCache on an
+    # H200 in session 15, with the loss bitwise equal)
     assert loss.item() == ref_loss.item()
     err = ((_grads(params) - ref).norm() / ref.norm()).item()
-    assert err <= 1e-6, err
+    assert err <= (1e-6 if dev == "cpu" else 2e-5), err
 
 
 def test_compiled_functional_cached_matches_the_full_batch(compiled):
