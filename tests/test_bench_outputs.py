@@ -109,3 +109,24 @@ def test_the_benchmarks_default_runs_write_their_committed_files(monkeypatch):
     monkeypatch.setattr(memory, "plot", lambda results, path: None)
     assert memory.main([]) == 0 and written[-1] == "benchmarks/results/memory_cpu.json"
     assert memory.main(["--batches", "64"]) == 0 and written[-1] != "benchmarks/results/memory_cpu.json"
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_gradcache_benchmark_dry_run_checks_exactness(tmp_path, compiled):
+    """The gradcache benchmark's own check (GradCache, offloaded, cached_encode against the same
+    chunks in one graph, bf16 autocast) on a tiny BERT: bitwise on the CPU, eager and compiled
+    (compiled before session 15: 1.2e-5 off, pass 1 ran the no-grad graph; the reference in one
+    autocast region for all chunks: 1.1e-4)."""
+    pytest.importorskip("transformers")
+    from bigbatch.bench.gradcache import main
+
+    out = tmp_path / "gc.json"
+    args = ["--tiny", "--cpu", "--batches", "16", "--repeat", "1", "--skip", "public", "offload", "--out", str(out)]
+    assert main(args + (["--compile"] if compiled else [])) == 0
+    result = _strict(out.read_text())
+    check = result["check"]
+    assert check["loss"] == check["loss_ref"]
+    assert check["grad_rel_err"] <= 1e-6, check
+    assert check["offload_grad_rel_err_vs_gradcache"] <= 1e-6 and check["cached_encode_grad_rel_err_vs_gradcache"] <= 1e-6
+    assert ("torch.compile" in result["model"]) == compiled
+    assert result["rows"][0]["bigbatch"]["status"] == "ok" and result["rows"][0]["full"]["status"] == "ok"
