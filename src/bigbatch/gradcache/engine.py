@@ -160,10 +160,11 @@ def grad_mode_dependent(model: nn.Module) -> bool:
       PyTorch's inference fast path, whose nested tensors return zeros at padded positions where
       the path taken with a graph computes values;
     * a ``torch.compile``'d module (``torch.compile(model)``, ``module.compile()``, a compiled
-      ``forward``, anywhere in the model) runs another graph without grad: the inference graph fuses differently, so its output
-      differs from the training graph's in the last bits, and a sharp loss amplifies that (the
-      benchmark's BERT check on an H200: 3.4% off the full batch's gradient instead of 0.25%).
-      In grad mode, pass 1 and the re-run run one graph under one random state: bitwise equal."""
+      ``forward``, anywhere in the model) runs another graph without grad: the inference graph
+      fuses differently, so its output differs from the training graph's in the last bits, and a
+      sharp loss amplifies that (the benchmark's BERT check on an H200: 3.4% off the full batch's
+      gradient). In grad mode, pass 1 and the re-run run one graph under one random state:
+      bitwise equal."""
     fastpath = getattr(getattr(torch.backends, "mha", None), "get_fastpath_enabled", lambda: True)()
     return any((fastpath and isinstance(m, nn.MultiheadAttention) and not m.training) or _is_compiled(m)
                for m in model.modules())
