@@ -52,6 +52,53 @@ def _grads(params):
     return torch.cat([torch.zeros(p.numel()) if p.grad is None else p.grad.flatten().cpu() for p in params])
 
 
+def _assert_matches_reference(params, reference, cached_step, seed=5, tol=1e-6):
+    """``reference()`` (the same chunks with a graph: a loss) and ``cached_step()`` (gradient
+    caching: its loss, ``.grad`` filled) from one seed: the same representations, so the same loss
+    bit for bit, and gradients within ``tol`` (float32 accumulation order: the reference adds the
+    chunks' gradients in one backward, gradient caching chunk by chunk)."""
+    for t in params:
+        t.grad = None
+    torch.manual_seed(seed)
+    ref_loss = reference()
+    ref_loss.backward()
+    ref = _grads(params)
+    for t in params:
+        t.grad = None
+    torch.manual_seed(seed)
+    loss = cached_step()
+    assert loss.item() == ref_loss.item()
+    err = ((_grads(params) - ref).norm() / ref.norm()).item()
+    assert err <= tol, err
+
+
+def _functional_step(encode, pairs, dev):
+    """The functional API's step: ``encode(model, x)`` per (model, x) in bf16 autocast, the loss,
+    its backward, then each closure; returns the loss."""
+    reps, closures = [], []
+    for model, x in pairs:
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            r, f = encode(model, x)
+        reps.append(r)
+        closures.append(f)
+    loss = _loss(*reps)
+    loss.backward()
+    for f, r in zip(closures, reps):
+        f(r)
+    return loss
+
+
+def _chunks_under_autocast(encode, x, dev, chunk):
+    """``encode`` of each chunk of ``x`` in its own bf16 autocast region, concatenated (in one region
+    for all, an eager encoder's chunks would share each weight's bf16 cast and sum their weight
+    gradients in bf16: ~1e-4 off gradient caching's fp32 accumulation)."""
+    out = []
+    for c in split_batch(x, chunk):
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            out.append(encode(c))
+    return torch.cat(out)
+
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # CUDA: inductor's Triton kernels, CUDA dropout
 
 
@@ -75,32 +122,23 @@ def test_compiled_modules_are_detected():
 def test_compiled_bert_bf16_matches_the_full_batch(compiled, api):
     mq, mp, cq, cp = compiled
     dev = next(mq.parameters()).device.type
-    params = list(mq.parameters()) + list(mp.parameters())
     q, p = _batch(20, 8, 2, dev), _batch(20, 16, 3, dev)
-    for t in params:
-        t.grad = None
-    torch.manual_seed(5)  # reference: the same chunks (dropout masks), one graph, compiled as well
-    with torch.autocast(dev, dtype=torch.bfloat16):
-        ref_loss = _loss(torch.cat([_cls(cq(**c)) for c in split_batch(q, 8)]),
-                         torch.cat([_cls(cp(**c)) for c in split_batch(p, 8)]))
-    ref_loss.backward()
-    ref = _grads(params)
-    for t in params:
-        t.grad = None
-    torch.manual_seed(5)
-    if api == "GradCache":
-        loss = GradCache([cq, cp], chunk_sizes=8, loss_fn=_loss, get_rep_fn=_cls, autocast_dtype=torch.bfloat16)(q, p)
-    else:
+
+    def reference():  # the same chunks (dropout masks), one graph, compiled as well
+        return _loss(*(_chunks_under_autocast(lambda c: _cls(m(**c)), x, dev, 8) for m, x in ((cq, q), (cp, p))))
+
+    def cached_step():
+        if api == "GradCache":
+            return GradCache([cq, cp], chunk_sizes=8, loss_fn=_loss, get_rep_fn=_cls, autocast_dtype=torch.bfloat16)(q, p)
         with torch.autocast(dev, dtype=torch.bfloat16):
             loss = _loss(cached_encode(cq, q, 8, get_rep_fn=_cls), cached_encode(cp, p, 8, get_rep_fn=_cls))
         loss.backward()
-    # the same representations bit for bit; the gradients up to float32 accumulation order
-    # (the reference adds the chunks' gradients in one backward, gradient caching chunk by chunk;
+        return loss
+
     # on CUDA inductor's backward kernels also accumulate with atomics: 4.1e-6 for GradCache on an
-    # H200 in session 15, with the loss bitwise equal)
-    assert loss.item() == ref_loss.item()
-    err = ((_grads(params) - ref).norm() / ref.norm()).item()
-    assert err <= (1e-6 if dev == "cpu" else 2e-5), err
+    # H200 in session 15, with the loss bitwise equal
+    _assert_matches_reference(list(mq.parameters()) + list(mp.parameters()), reference, cached_step,
+                              tol=1e-6 if dev == "cpu" else 2e-5)
 
 
 def test_compiled_functional_cached_matches_the_full_batch(compiled):
@@ -108,33 +146,18 @@ def test_compiled_functional_cached_matches_the_full_batch(compiled):
 
     mq, mp, cq, cp = compiled
     dev = next(mq.parameters()).device.type
-    params = list(mq.parameters()) + list(mp.parameters())
     q, p = _batch(20, 8, 4, dev), _batch(20, 16, 5, dev)
 
     @cached
     def encode(model, x):
         return _cls(model(**x))
 
-    for t in params:
-        t.grad = None
-    torch.manual_seed(7)
-    with torch.autocast(dev, dtype=torch.bfloat16):
-        ref_loss = _loss(_cls(cq(**q)), _cls(cp(**p)))
-    ref_loss.backward()
-    ref = _grads(params)
-    for t in params:
-        t.grad = None
-    torch.manual_seed(7)
-    with torch.autocast(dev, dtype=torch.bfloat16):
-        rq, fq = encode(cq, q)
-        rp, fp = encode(cp, p)
-    loss = _loss(rq, rp)
-    loss.backward()
-    fq(rq)
-    fp(rp)
-    assert loss.item() == ref_loss.item()
-    err = ((_grads(params) - ref).norm() / ref.norm()).item()
-    assert err <= 1e-6, err
+    def reference():
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            return _loss(_cls(cq(**q)), _cls(cp(**p)))
+
+    _assert_matches_reference(list(mq.parameters()) + list(mp.parameters()), reference,
+                              lambda: _functional_step(encode, [(cq, q), (cp, p)], dev), seed=7)
 
 
 def test_compiled_forward_and_functions_are_detected():
@@ -181,21 +204,11 @@ def test_compiled_forward_forms_match_the_full_batch(form):
     ``torch.compile``: before, not detected (pass 1 ran the inference graph: loss 102.107231 for
     102.107239)."""
     (mq, cq), (mp, cp) = _compiled_form(form, 0), _compiled_form(form, 1)
-    params = list(mq.parameters()) + list(mp.parameters())
     q, p = _batch(20, 8, 2), _batch(20, 16, 3)
-    torch.manual_seed(5)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        ref_loss = _loss(torch.cat([_cls(cq(**c)) for c in split_batch(q, 8)]),
-                         torch.cat([_cls(cp(**c)) for c in split_batch(p, 8)]))
-    ref_loss.backward()
-    ref = _grads(params)
-    for t in params:
-        t.grad = None
-    torch.manual_seed(5)
-    loss = GradCache([cq, cp], chunk_sizes=8, loss_fn=_loss, get_rep_fn=_cls, autocast_dtype=torch.bfloat16)(q, p)
-    assert loss.item() == ref_loss.item()
-    err = ((_grads(params) - ref).norm() / ref.norm()).item()
-    assert err <= 1e-6, err
+    _assert_matches_reference(
+        list(mq.parameters()) + list(mp.parameters()),
+        lambda: _loss(*(_chunks_under_autocast(lambda c: _cls(m(**c)), x, "cpu", 8) for m, x in ((cq, q), (cp, p)))),
+        lambda: GradCache([cq, cp], chunk_sizes=8, loss_fn=_loss, get_rep_fn=_cls, autocast_dtype=torch.bfloat16)(q, p))
 
 
 @pytest.mark.parametrize("api", ["GradCache", "cached"])
@@ -220,37 +233,15 @@ def test_compiled_get_rep_fn_or_encode_function_matches_the_full_batch(api):
     params = list(mq.parameters()) + list(mp.parameters()) + [w] + list(ln.parameters())
     q, p = _batch(12, 8, 2), _batch(12, 16, 3)
 
-    def ref_encode(model, x):
-        # one autocast region per chunk: in one region for all, the eager encoder's chunks would
-        # share each weight's bf16 cast and sum their weight gradients in bf16 (~1e-4 off here)
+    def reference():
         if api == "cached":
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                return body(model, x)
-        out = []
-        for c in split_batch(x, 8):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                out.append(rep(model(**c)))
-        return torch.cat(out)
+                return _loss(body(mq, q), body(mp, p))
+        return _loss(*(_chunks_under_autocast(lambda c: rep(m(**c)), x, "cpu", 8) for m, x in ((mq, q), (mp, p))))
 
-    torch.manual_seed(5)
-    ref_loss = _loss(ref_encode(mq, q), ref_encode(mp, p))
-    ref_loss.backward()
-    ref = _grads(params)
-    for t in params:
-        t.grad = None
-    torch.manual_seed(5)
-    if api == "GradCache":
-        loss = GradCache([mq, mp], chunk_sizes=8, loss_fn=_loss, get_rep_fn=rep, autocast_dtype=torch.bfloat16)(q, p)
-    else:
-        encode = cached(body)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            rq, fq = encode(mq, q)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            rp, fp = encode(mp, p)
-        loss = _loss(rq, rp)
-        loss.backward()
-        fq(rq)
-        fp(rp)
-    assert loss.item() == ref_loss.item()
-    err = ((_grads(params) - ref).norm() / ref.norm()).item()
-    assert err <= 1e-6, err
+    def cached_step():
+        if api == "GradCache":
+            return GradCache([mq, mp], chunk_sizes=8, loss_fn=_loss, get_rep_fn=rep, autocast_dtype=torch.bfloat16)(q, p)
+        return _functional_step(cached(body), [(mq, q), (mp, p)], "cpu")
+
+    _assert_matches_reference(params, reference, cached_step)
