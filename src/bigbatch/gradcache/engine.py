@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -178,6 +178,12 @@ def _is_compiled(module: nn.Module) -> bool:
     return compiled_callable(module.__dict__.get("forward", getattr(type(module), "forward", None)))
 
 
+def pass_one_in_grad_mode(modules: Iterable[nn.Module], fn: Any = None) -> bool:
+    """Whether a pass-1 forward through ``modules``, with ``fn`` applied (a ``get_rep_fn``, the
+    function given to ``cached``), must run in grad mode (graph dropped) to take the re-run's path."""
+    return compiled_callable(fn) or any(map(grad_mode_dependent, modules))
+
+
 def compiled_callable(fn: Any) -> bool:
     """Whether ``fn`` is a function (or bound method) wrapped by ``torch.compile``: it too runs
     another graph without grad (a compiled ``get_rep_fn``, the function given to ``cached``). A
@@ -273,7 +279,7 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
         device = model_device(mine[0].model, mine[0].chunk)
         amp = _autocast(device, opts.autocast_dtype, opts.inherit_autocast)
         devices = model_cuda_devices(mine[0].model)
-        mirror = grad_mode_dependent(mine[0].model) or compiled_callable(opts.get_rep)
+        mirror = pass_one_in_grad_mode([mine[0].model], opts.get_rep)
         lazy = LazyInits([mine[0].model])  # empty once materialised (after the first step)
         # One autocast context for all chunks of this input: autocast casts each fp32 weight to
         # half once per context, so the chunks share one cast (one ~2-bytes-per-parameter copy kept

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from .buffers import BufferStates, buffers_restored, recording, restoring
 from .chunking import differentiable, tensor_leaves
-from .engine import Written, autocast_state, chunk_backward, compact, compiled_callable, grad_mode_dependent
+from .engine import Written, autocast_state, chunk_backward, compact, pass_one_in_grad_mode
 from .lazy import LazyInits, skipping_inits
 from .model_state import ModelState, param_versions
 from .rng import RngState, cuda_devices_of
@@ -105,12 +105,11 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
         # as this call left them (BatchNorm statistics updated once)
         states = BufferStates(modules)
         # grad mode off, as the public package; on (graph dropped) where a module's forward would
-        # take another path without it (engine.grad_mode_dependent) or ``func`` is compiled, so the
-        # re-run matches
+        # take another path without it or ``func`` is compiled (engine.pass_one_in_grad_mode), so
+        # the re-run matches
         written = Written((list(args), kwargs))
         versions = [param_versions(m) for m in modules]
-        mirror = compiled_callable(func) or any(map(grad_mode_dependent, modules))
-        with recording(states, modules) as box, torch.set_grad_enabled(mirror), \
+        with recording(states, modules) as box, torch.set_grad_enabled(pass_one_in_grad_mode(modules, func)), \
                 LazyInits(modules).recording(rng.devices) as lazy_after:
             out = func(*args, **kwargs)
         written.check(rerun=True)
