@@ -597,7 +597,7 @@ def test_budget_leaves_room_for_the_cached_representations():
     x, y = make_input("tensor", 40, 1), make_input("tensor", 40, 2)
     gc = GradCache(models, loss_fn=clip(), memory_budget="24KiB")
     gc(x, y)
-    probed = gc._prober._cache.values()
+    probed = [cost for cost, _ in gc._prober._cache.values()]
     assert probed and all(c.rep_per_row == 8 * 8 for c in probed)  # float64 (rows, 8) representations
     with pytest.raises(ValueError, match="cached representations"):  # 2 x 2 x 5000 x D x 4 bytes > 1 MiB
         GradCache(models, loss_fn=clip(), memory_budget="1MiB")(make_input("tensor", 5000, 1), make_input("tensor", 5000, 2))

@@ -7,7 +7,12 @@ statistics, a budget is the (estimated) memory the step adds.
 
 Probe (once per model, input shape beyond the batch dimension, dtype and autocast setting):
 run forward + backward of two small chunks ``c1 < c2`` and fit ``peak(c) = fixed + per_row * c``
-(on CUDA after one unmeasured run of ``c1``, so one-time allocations are not fitted).
+(on CUDA after one unmeasured run of ``c1``, so one-time allocations are not fitted). On CUDA
+the chunk planned from that line is then measured itself, as the line extrapolates: a compiled
+model's peak grows slower beyond the probe's rows (an H200, torch.compile'd BERT-base: 64.7 MiB/row
+between 16 and 48 rows, 35.5 between 48 and 128), and a model whose peak grows faster must not be
+planned past its budget. Up to :data:`_PLAN_MEASURES` such points refine the cost model
+(piecewise linear through them), once per cost.
 
 * CUDA: ``peak`` is ``torch.cuda.max_memory_allocated()`` above the allocation before the probe,
   ``act`` (memory held by the graph after the forward) likewise.
@@ -23,6 +28,7 @@ changes nothing the step can see (forward hooks, as a forward's, run).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -31,8 +37,8 @@ import re
 import types
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Set, Tuple, Union
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -99,25 +105,56 @@ class ChunkCost:
     ``act_fixed + act_per_row * rows`` held by a kept graph between the forward and its backward
     (e.g. the half-precision weight copies autocast saves for the backward are the fixed part),
     and ``rep_per_row`` bytes of representation per row (cached for the whole batch, with its
-    gradient)."""
+    gradient).
+
+    Beyond ``probe_rows`` (the larger probe chunk) the lines are replaced by what was ``measured``
+    there, ``(rows, peak, held)`` by rows: piecewise linear from the lines' values at
+    ``probe_rows`` through those points (never decreasing), the last segment extended."""
 
     fixed: float
     per_row: float
     act_per_row: float
     rep_per_row: float = 0.0
     act_fixed: float = 0.0
+    probe_rows: int = 0
+    measured: Tuple[Tuple[int, float, float], ...] = ()
 
     def cached(self, rows: int) -> float:
         """Bytes of the cached representations of ``rows`` rows and their gradients (same dtype)."""
         return 2.0 * self.rep_per_row * rows
 
     def peak(self, rows: int) -> float:
-        return self.fixed + self.per_row * rows
+        return self._refined(rows, 1, self.fixed + self.per_row * rows, self.fixed + self.per_row * self.probe_rows)
 
     def held(self, rows: int) -> float:
         """Bytes a kept graph of ``rows`` rows holds; never more than the chunk's own forward +
         backward peak, which contains that graph (so a chunk that fits may always be kept alone)."""
-        return min(self.act_fixed + self.act_per_row * rows, self.peak(rows))
+        line = self._refined(rows, 2, self.act_fixed + self.act_per_row * rows,
+                             self.act_fixed + self.act_per_row * self.probe_rows)
+        return min(line, self.peak(rows))
+
+    @property
+    def known_rows(self) -> int:
+        """The largest chunk whose cost was measured, not extrapolated."""
+        return max([self.probe_rows] + [r for r, _, _ in self.measured])
+
+    def with_point(self, rows: int, peak: float, held: float) -> "ChunkCost":
+        """This cost with a measurement at ``rows`` (beyond ``probe_rows``) added."""
+        points = {r: (r, p, h) for r, p, h in self.measured}
+        points[int(rows)] = (int(rows), float(peak), float(held))
+        return replace(self, measured=tuple(sorted(points.values())))
+
+    def _refined(self, rows: int, which: int, line: float, at_probe: float) -> float:
+        if not self.measured or rows <= self.probe_rows:
+            return line
+        knots = [(self.probe_rows, at_probe)]
+        for point in self.measured:  # a peak never falls with more rows (allocator noise aside)
+            knots.append((point[0], max(point[which], knots[-1][1])))
+        for (r0, v0), (r1, v1) in zip(knots, knots[1:]):
+            if rows <= r1:
+                return v0 + (v1 - v0) * (rows - r0) / (r1 - r0)
+        (r0, v0), (r1, v1) = knots[-2], knots[-1]
+        return v1 + (v1 - v0) / (r1 - r0) * (rows - r1)
 
     def largest_chunk(self, budget: int, cap: int) -> int:
         """The largest row count (at most ``cap``, the batch) whose peak fits ``budget``, so that
@@ -129,7 +166,14 @@ class ChunkCost:
                 f"chunk (after what is allocated, slack and the cached representations), and forward + "
                 f"backward of one row takes about {size(self.peak(1))}"
             )
-        return max(1, min(cap, int(room // max(self.per_row, 1.0))))
+        rows = max(1, min(cap, int(room // max(self.per_row, 1.0))))
+        if not self.measured or rows < self.probe_rows:  # within the probes' line
+            return rows
+        lo, hi = min(self.probe_rows, cap), cap  # peak() never falls with the rows: bisect
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.peak(mid) <= budget else (lo, mid - 1)
+        return lo
 
 
 def _on(t: Tensor, device: torch.device) -> bool:
@@ -209,10 +253,25 @@ def planning_budget(budget: int, fraction: float, cached: float, in_use: int = 0
 
 def probe_cost(prober: "ChunkProber", model: nn.Module, x: Any, get_rep: Callable[[Any], Tensor],
                autocast_ctx: Callable[[], Any], autocast: Optional[torch.dtype], *, custom_split: bool) -> "ChunkCost":
-    """``prober.cost(...)``, with a clear error when a ``split_input_fn`` is in use and the model
-    cannot run on the probe's row slices of the raw input (it takes only the custom chunks)."""
-    try:
+    """``prober.cost(...)`` (:func:`_probe_errors`)."""
+    with _probe_errors(custom_split):
         return prober.cost(model, x, get_rep, autocast_ctx, autocast)
+
+
+def plan_chunk(prober: "ChunkProber", model: nn.Module, x: Any, get_rep: Callable[[Any], Tensor],
+               autocast_ctx: Callable[[], Any], autocast: Optional[torch.dtype], cost: "ChunkCost", budget: int, *,
+               custom_split: bool) -> Tuple[int, "ChunkCost"]:
+    """``prober.plan(...)``: the largest chunk that fits ``budget`` and its (refined) cost (:func:`_probe_errors`)."""
+    with _probe_errors(custom_split):
+        return prober.plan(model, x, get_rep, autocast_ctx, autocast, cost, budget)
+
+
+@contextlib.contextmanager
+def _probe_errors(custom_split: bool) -> Iterator[None]:
+    """A clear error when a ``split_input_fn`` is in use and the model cannot run on the probe's
+    row slices of the raw input (it takes only the custom chunks)."""
+    try:
+        yield
     except (TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
         if not custom_split:
             raise
@@ -392,28 +451,36 @@ def _storage_ptr(t: Tensor) -> Optional[int]:
 
 
 _CACHE_ENTRIES = 256  # probed costs kept per prober (each a few floats)
+_PLAN_MEASURES = 2  # CUDA: chunks measured at their planned size, at most, per cost
+_PLAN_TOLERANCE = 1.03  # a plan within 3% beyond a measured chunk is not measured again
 
 
 class ChunkProber:
-    """Measures and caches :class:`ChunkCost` per (model, input signature, autocast)."""
+    """Measures and caches :class:`ChunkCost` per (model, input signature, autocast, ``get_rep_fn``)."""
 
     def __init__(self, probe_rows: Tuple[int, int] = (16, 48)) -> None:
         self.probe_rows = probe_rows
-        # most recently used last; bounded, as dynamic padding brings a new input shape per length
-        self._cache: "OrderedDict[Tuple, ChunkCost]" = OrderedDict()
+        # most recently used last; bounded, as dynamic padding brings a new input shape per length.
+        # Each entry: the cost and whether the probe's backward runs by autograd.grad
+        self._cache: "OrderedDict[Tuple, Tuple[ChunkCost, bool]]" = OrderedDict()
 
-    def cost(self, model: nn.Module, x: Any, get_rep: Callable[[Any], Tensor],
-             autocast_ctx: Callable[[], Any], autocast: Optional[torch.dtype]) -> ChunkCost:
-        b = batch_size(x)
-        c1, c2 = min(self.probe_rows[0], b), min(self.probe_rows[1], b)
+    def _key(self, model: nn.Module, x: Any, get_rep: Callable[[Any], Tensor], autocast: Optional[torch.dtype]) -> Tuple:
         # a batch smaller than the larger probe is probed at its own sizes, a cost that a later
         # larger batch must not inherit (its chunks would be sized from a few rows' line)
-        key = (_signature(model, x, autocast), c2, callable_key(get_rep))
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key]
-        if c1 == c2 and b > 2:  # a small batch: still two sizes, or the fixed part would be charged per row;
-            c1 = max(b // 2, 2)  # not one row, which BatchNorm in training refuses (a batch of 2: one size)
+        return (_signature(model, x, autocast), min(self.probe_rows[1], batch_size(x)), callable_key(get_rep))
+
+    def _store(self, key: Tuple, cost: ChunkCost, by_grad: bool) -> None:
+        self._cache[key] = (cost, by_grad)
+        self._cache.move_to_end(key)
+        while len(self._cache) > _CACHE_ENTRIES:
+            self._cache.popitem(last=False)
+
+    def _measure_rows(self, model: nn.Module, x: Any, get_rep: Callable[[Any], Tensor], autocast_ctx: Callable[[], Any],
+                      rows: Sequence[int], by_grad: Optional[bool], warm: bool) -> Tuple[List[Tuple[int, float, float, float]], bool]:
+        """``(rows, peak, act, rep)`` of forward + backward of the first ``rows`` rows of ``x``, for each
+        entry of ``rows``, with nothing the step can see changed; and whether the backward ran by
+        ``autograd.grad`` (``by_grad=None``: tried first, else ``.backward()``). ``warm``: on CUDA the
+        first size runs once unmeasured first."""
         params = [p for p in model.parameters() if p.requires_grad]  # empty: a frozen model
         device = model_device(model, x)
         devices = model_cuda_devices(model)
@@ -422,33 +489,47 @@ class ChunkProber:
             devices = sorted(set(devices) | {index})
         with forked_rng(devices), buffers_restored([model]), buffers_reset_after([model]), torch.enable_grad(), \
                 ddp_bypassed(model):
-            def measure(c: int, by_grad: bool) -> Tuple[float, float, float]:
+            def measure(c: int, grad: bool) -> Tuple[float, float, float]:
                 # the chunk's tensors that require grad become leaves of the probe's own
                 # copies (a few rows): a forward that writes its input in place must not touch the batch
                 chunk = map_tensors(to_device(split_batch(x, c)[0], device),
                                     lambda t: t.detach().clone().requires_grad_(t.requires_grad))
-                return _measure(model, chunk, get_rep, autocast_ctx, params, device, by_grad)
+                return _measure(model, chunk, get_rep, autocast_ctx, params, device, grad)
 
-            def points_of(by_grad: bool) -> List[Tuple[int, float, float, float]]:
+            def points_of(grad: bool) -> List[Tuple[int, float, float, float]]:
                 # On CUDA, a first forward + backward also makes one-time allocations (library
                 # workspaces, lazily built state) that the step does not repeat; counted in the
                 # small probe they flatten the fitted slope and over-size the chunks (the likely
                 # cause of 8% larger query chunks, 1265 vs 1171 rows, in an H200 process whose
                 # first GPU work was the probe). So the small chunk runs once unmeasured first.
-                if device.type == "cuda":
-                    measure(c1, by_grad)
-                return [(c, *measure(c, by_grad)) for c in sorted({c1, c2})]
+                if warm and device.type == "cuda":
+                    measure(rows[0], grad)
+                return [(c, *measure(c, grad)) for c in rows]
 
+            if by_grad is not None:
+                return points_of(by_grad), by_grad
             try:
-                points = points_of(by_grad=True)
+                return points_of(True), True
             except RuntimeError as exc:  # reentrant checkpointing refuses autograd.grad
                 if "use_reentrant" not in str(exc):
                     raise
-                points = points_of(by_grad=False)
+                return points_of(False), False
+
+    def cost(self, model: nn.Module, x: Any, get_rep: Callable[[Any], Tensor],
+             autocast_ctx: Callable[[], Any], autocast: Optional[torch.dtype]) -> ChunkCost:
+        b = batch_size(x)
+        c1, c2 = min(self.probe_rows[0], b), min(self.probe_rows[1], b)
+        key = self._key(model, x, get_rep, autocast)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key][0]
+        if c1 == c2 and b > 2:  # a small batch: still two sizes, or the fixed part would be charged per row;
+            c1 = max(b // 2, 2)  # not one row, which BatchNorm in training refuses (a batch of 2: one size)
+        points, by_grad = self._measure_rows(model, x, get_rep, autocast_ctx, sorted({c1, c2}), None, warm=True)
         rep_per_row = points[-1][3] / points[-1][0]
         if len(points) == 1:  # a batch of one or two rows, measured whole: a smaller chunk is
             c, peak, act, _ = points[0]  # charged about that peak (a line of slope one byte through it)
-            cost = ChunkCost(max(peak - c, 0.0), 1.0, 0.0, rep_per_row, act)
+            cost = ChunkCost(max(peak - c, 0.0), 1.0, 0.0, rep_per_row, act, probe_rows=c)
         else:
             (ca, pa, aa, _), (cb, pb, ab, _) = points
             # the held graph: a two-point line (slope at least 0, fixed part at least 0)
@@ -465,8 +546,25 @@ class ChunkProber:
             # activations: its fixed part is most of the peak).
             slope = max((pb - pa) / (cb - ca), act_slope, pb / cb * 0.5, 1.0)
             fixed = max(pa - slope * ca, pb - slope * cb, 0.0)
-            cost = ChunkCost(fixed, slope, act_slope, rep_per_row, max(ab - act_slope * cb, 0.0))
-        self._cache[key] = cost
-        while len(self._cache) > _CACHE_ENTRIES:
-            self._cache.popitem(last=False)
+            cost = ChunkCost(fixed, slope, act_slope, rep_per_row, max(ab - act_slope * cb, 0.0), probe_rows=cb)
+        self._store(key, cost, by_grad)
         return cost
+
+    def plan(self, model: nn.Module, x: Any, get_rep: Callable[[Any], Tensor], autocast_ctx: Callable[[], Any],
+             autocast: Optional[torch.dtype], cost: ChunkCost, budget: int) -> Tuple[int, ChunkCost]:
+        """The largest chunk of ``x`` whose peak fits ``budget`` bytes, and the cost it was planned
+        from. On CUDA a plan beyond the rows measured so far is measured itself (forward + backward
+        of that many rows, as the probe: unseen by the step), up to :data:`_PLAN_MEASURES` times per
+        cost, and planned again from the refined cost, which replaces ``cost`` in the cache."""
+        b = batch_size(x)
+        rows = cost.largest_chunk(budget, b)
+        if model_device(model, x).type != "cuda":  # the CPU estimate is linear in the saved bytes
+            return rows, cost
+        key = self._key(model, x, get_rep, autocast)
+        by_grad = self._cache[key][1] if key in self._cache else None
+        while rows > cost.known_rows * _PLAN_TOLERANCE and len(cost.measured) < _PLAN_MEASURES:
+            [(c, peak, act, _)], by_grad = self._measure_rows(model, x, get_rep, autocast_ctx, [rows], by_grad, warm=False)
+            cost = cost.with_point(c, peak, act)
+            rows = cost.largest_chunk(budget, b)
+            self._store(key, cost, by_grad)
+        return rows, cost

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .head import attach_head
-from .budget import ChunkProber, MemoryArg, in_use_at_start, offloads, parse_memory, planning_budget, probe_cost
+from .budget import ChunkProber, MemoryArg, in_use_at_start, offloads, parse_memory, plan_chunk, planning_budget, probe_cost
 from .chunking import batch_size, check_offload_target, chunk_rows, differentiable, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, autocast_state, backprop, encode, finalize_plan
 from .inputs import backward_into_originals, inputs_require_grad, with_boundaries
@@ -260,7 +260,8 @@ class GradCache:
         budget = self.memory_budget or default_budget(model_device(models[0], inputs[0]))
         costs = [self._cost(m, x) for m, x in zip(models, inputs)]
         usable = self._usable(budget, models, inputs, costs, batches)
-        return [c.largest_chunk(usable, b) for c, b in zip(costs, batches)], costs, usable
+        plans = [self._plan(m, x, c, usable) for m, x, c in zip(models, inputs, costs)]
+        return [rows for rows, _ in plans], [c for _, c in plans], usable
 
     def _usable(self, budget: int, models: Sequence[nn.Module], inputs: Sequence[Any], costs, batches: Sequence[int]) -> int:
         devices = [model_device(m, x) for m, x in zip(models, inputs)]
@@ -269,12 +270,19 @@ class GradCache:
         return planning_budget(budget, _BUDGET_FRACTION, cached, in_use_at_start(devices, models), can_offload)
 
     def _cost(self, model: nn.Module, x: Any):
+        # (the probe bypasses the forward of every DDP module in the model: wrappers.ddp_bypassed)
+        return probe_cost(self._prober, model, x, self._rep_fn(), self._amp(model, x), self.autocast_dtype,
+                          custom_split=self.split_input_fn is not None)
+
+    def _plan(self, model: nn.Module, x: Any, cost, usable: int):
+        """The largest chunk of ``x`` that fits ``usable`` bytes and its (on CUDA: measured) cost."""
+        return plan_chunk(self._prober, model, x, self._rep_fn(), self._amp(model, x), self.autocast_dtype, cost,
+                          usable, custom_split=self.split_input_fn is not None)
+
+    def _amp(self, model: nn.Module, x: Any):
         from .engine import _autocast
 
-        amp = _autocast(model_device(model, x), self.autocast_dtype)
-        # (the probe bypasses the forward of every DDP module in the model: wrappers.ddp_bypassed)
-        return probe_cost(self._prober, model, x, self._rep_fn(), amp, self.autocast_dtype,
-                          custom_split=self.split_input_fn is not None)
+        return _autocast(model_device(model, x), self.autocast_dtype)
 
     def _plan_keep(self, units: List[Unit], costs, usable: Optional[int], trainable: Sequence[bool]) -> None:
         """Flag the last chunks of pass 1 whose graphs fit ``usable`` bytes (without a budget: the

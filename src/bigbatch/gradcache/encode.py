@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .._autograd import refuse_batched, refuse_create_graph
 from .head import attach_head
-from .budget import ChunkProber, MemoryArg, in_use_at_start, offloads, parse_memory, planning_budget, probe_cost
+from .budget import ChunkProber, MemoryArg, in_use_at_start, offloads, parse_memory, plan_chunk, planning_budget, probe_cost
 from .cache import _BUDGET_FRACTION, _identity, check_callables, check_options, default_budget
 from .chunking import batch_size, check_offload_target, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, _autocast, backprop, encode, finalize_plan
@@ -180,7 +180,8 @@ def cached_encode(
         taken = in_use_at_start([device], [model] if needs_grad else [])  # no backward: no .grad made
         usable = planning_budget(budget, _BUDGET_FRACTION, cached, taken,
                                  can_offload=not offload_reps and device.type != "cpu")
-        chunk_size = cost.largest_chunk(usable, b)
+        chunk_size, _ = plan_chunk(_PROBER, model, bounded, get_rep, _autocast(device, autocast_dtype), autocast_dtype,
+                                   cost, usable, custom_split=split_input_fn is not None)
     chunks = split_chunks(bounded, chunk_size, split_input_fn=split_input_fn, from_budget=sized_from_budget)
     ddps = ddp_modules(model)
     units = [Unit(0, model, c, chunk_rows(c, split_input_fn is not None, "a chunk of inputs"), ddps=ddps) for c in chunks]

@@ -1,0 +1,162 @@
+"""The budget's chunk plan (``gradcache/budget.py``: ``ChunkCost``, ``ChunkProber.plan``): on CUDA
+the chunk planned from the probes' two-point line is measured itself, and the cost refined through
+that point, so a peak that grows slower beyond the probes (a compiled model) gets larger chunks
+and one that grows faster is not planned past the budget. Simulated measurements on the CPU."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+import bigbatch
+from bigbatch.gradcache import GradCache, budget, cache
+from bigbatch.gradcache.budget import ChunkCost, ChunkProber
+
+
+def test_refined_cost_is_piecewise_linear_through_the_measured_points():
+    cost = ChunkCost(fixed=100.0, per_row=10.0, act_per_row=5.0, act_fixed=0.0, probe_rows=48,
+                     measured=((100, 700.0, 400.0), (200, 1000.0, 700.0)))
+    assert cost.peak(20) == 300.0 and cost.peak(48) == 580.0  # the probes' line up to its rows
+    assert cost.peak(74) == pytest.approx(640.0)  # between the line at 48 and the point at 100
+    assert cost.peak(100) == 700.0 and cost.peak(150) == 850.0
+    assert cost.peak(300) == 1300.0  # the last segment extended
+    assert cost.held(48) == 240.0 and cost.held(100) == 400.0 and cost.held(300) == 1000.0
+    assert cost.known_rows == 200
+    # a point below the line's value at the probe (allocator noise) does not make the peak fall
+    flat = ChunkCost(fixed=100.0, per_row=10.0, act_per_row=5.0, probe_rows=48, measured=((100, 500.0, 100.0),))
+    assert flat.peak(100) == 580.0 and flat.peak(200) == 580.0
+    assert flat.held(100) == 240.0
+    # with_point keeps the points ordered, one per row count
+    more = cost.with_point(150, 900.0, 500.0).with_point(100, 710.0, 410.0)
+    assert more.measured == ((100, 710.0, 410.0), (150, 900.0, 500.0), (200, 1000.0, 700.0))
+
+
+@settings(max_examples=200, deadline=None)
+@given(fixed=st.floats(0, 1e4), per_row=st.floats(1, 100), extra=st.lists(
+    st.tuples(st.integers(49, 3000), st.floats(0, 1e5), st.floats(0, 1e5)), max_size=3),
+    budget_bytes=st.integers(1, 200_000), cap=st.integers(1, 3000))
+def test_largest_chunk_is_the_largest_that_fits(fixed, per_row, extra, budget_bytes, cap):
+    cost = ChunkCost(fixed=fixed, per_row=per_row, act_per_row=1.0, probe_rows=min(48, cap))
+    for rows, peak, held in extra:
+        cost = cost.with_point(rows, peak, held)
+    if budget_bytes - fixed < per_row:
+        with pytest.raises(ValueError, match="too small for even one example"):
+            cost.largest_chunk(budget_bytes, cap)
+        return
+    rows = cost.largest_chunk(budget_bytes, cap)
+    fits = [r for r in range(1, cap + 1) if cost.peak(r) <= budget_bytes]
+    assert rows == max(fits)
+
+
+def _fake_cuda(monkeypatch, true_peak, calls):
+    """``budget._measure`` returning ``true_peak(rows)`` as if on CUDA, recording the rows measured."""
+
+    def fake_measure(model, x, get_rep, autocast_ctx, params, device, by_grad=True):
+        rows = x.shape[0]
+        calls.append(rows)
+        return float(true_peak(rows)), 0.5 * float(true_peak(rows)), 8.0 * rows
+
+    monkeypatch.setattr(budget, "_measure", fake_measure)
+    monkeypatch.setattr(budget, "model_device", lambda m, x=None: torch.device("cuda", 0))
+    monkeypatch.setattr(budget, "to_device", lambda x, d: x)
+    monkeypatch.setattr(budget, "forked_rng", lambda devices: contextlib.nullcontext())
+
+
+def _plan(prober: ChunkProber, b: int, budget_bytes: int, model: nn.Module = None):
+    model, x = model or nn.Linear(6, 8), torch.zeros(b, 6)
+    cost = prober.cost(model, x, _identity, contextlib.nullcontext, None)
+    return prober.plan(model, x, _identity, contextlib.nullcontext, None, cost, budget_bytes)
+
+
+def _identity(out):
+    return out
+
+
+def _concave(rows: int) -> float:  # 10 bytes/row up to the probe's 48 rows, 4 beyond (a compiled model)
+    return 100 + 10 * rows if rows <= 48 else 580 + 4 * (rows - 48)
+
+
+def _convex(rows: int) -> float:  # 20 bytes/row beyond the probe
+    return 100 + 10 * rows if rows <= 48 else 580 + 20 * (rows - 48)
+
+
+def test_a_peak_growing_slower_than_the_probes_line_gets_larger_chunks(monkeypatch):
+    calls = []
+    _fake_cuda(monkeypatch, _concave, calls)
+    rows, cost = _plan(ChunkProber(), 1000, 2000)
+    # the line plans 190 rows; measured there (1148 bytes), the chunk is planned again: 403, measured
+    # at the budget exactly, and within the tolerance of itself: no third measurement
+    assert calls == [16, 16, 48, 190, 403]
+    assert rows == 403 and _concave(rows) <= 2000 < _concave(rows + 1)
+    assert [p[0] for p in cost.measured] == [190, 403]
+
+
+def test_a_peak_growing_faster_than_the_probes_line_is_not_planned_past_the_budget(monkeypatch):
+    calls = []
+    _fake_cuda(monkeypatch, _convex, calls)
+    rows, _ = _plan(ChunkProber(), 1000, 2000)
+    assert calls == [16, 16, 48, 190]  # 3,420 bytes at the line's 190 rows: planned again between
+    assert rows == 119 and _convex(rows) <= 2000  # (the chord over-estimates a convex peak: safe)
+
+
+def test_the_measured_plan_is_cached_and_bounded(monkeypatch):
+    calls = []
+    _fake_cuda(monkeypatch, lambda r: 100 + 10 * r if r <= 48 else 580 + 200 * (r - 48) ** 0.5, calls)
+    prober, model = ChunkProber(), nn.Linear(6, 8)
+    first, _ = _plan(prober, 100_000, 20_000, model)
+    assert len(calls) == 3 + budget._PLAN_MEASURES  # the peak keeps flattening: measured twice, no more
+    calls.clear()
+    again, _ = _plan(prober, 100_000, 20_000, model)  # the next step: the refined cost, nothing measured
+    assert calls == [] and again == first
+    calls.clear()
+    _plan(prober, 100_000, 40_000, model)  # a larger budget later: no measurement left for this cost
+    assert calls == []
+
+
+def test_a_whole_batch_planned_as_one_chunk_is_measured_too(monkeypatch):
+    calls = []
+    _fake_cuda(monkeypatch, _convex, calls)
+    rows, _ = _plan(ChunkProber(), 100, 2000)  # the line says all 100 rows fit; they take 1,620 bytes
+    assert calls == [16, 16, 48, 100] and rows == 100
+
+
+def test_the_cpu_estimate_is_not_measured_again(monkeypatch):
+    calls = []
+    _fake_cuda(monkeypatch, _concave, calls)
+    monkeypatch.setattr(budget, "model_device", lambda m, x=None: torch.device("cpu"))
+    rows, cost = _plan(ChunkProber(), 1000, 2000)
+    assert calls == [16, 48] and rows == 190 and cost.measured == ()
+
+
+def test_gradcache_chunks_follow_the_measured_plan(monkeypatch):
+    """End to end: GradCache plans its chunks from the refined cost (and stays exact)."""
+    calls = []
+    _fake_cuda(monkeypatch, lambda r: 1000 + 10 * r if r <= 48 else 1480 + 4 * (r - 48), calls)
+    monkeypatch.setattr(cache, "in_use_at_start", lambda devices, models: 0)
+    torch.manual_seed(0)
+    models = [nn.Linear(6, 8).double(), nn.Linear(6, 8).double()]
+    x, y = torch.randn(1000, 6, dtype=torch.float64), torch.randn(1000, 6, dtype=torch.float64)
+
+    def loss(a, b):
+        return bigbatch.clip_loss(a, b, 10.0)
+
+    # the cached representations (2 inputs x 2 x 1000 rows x the fake 8 bytes) come off the budget first
+    gc = GradCache(models, loss_fn=loss, memory_budget=(4000 + 2 * 2 * 1000 * 8) / 0.95 + 1)
+    value = gc(x, y)
+    # both inputs probed, then planned: the line (15.4 bytes/row by its guard, 1,653 at 48 rows,
+    # above the probe's 1,480) says 200 rows; measured there (2,088 bytes), 868 rows; measured there
+    # (4,760: over), 678 between the two measured points (4,000 bytes, the budget exactly)
+    assert calls == [16, 16, 48] * 2 + [200, 868] * 2
+    assert gc.last_chunk_rows == [[322, 678]] * 2
+    grads = [p.grad.clone() for m in models for p in m.parameters()]
+    for m in models:
+        m.zero_grad()
+    ref = loss(models[0](x), models[1](y))
+    ref.backward()
+    assert torch.allclose(value, ref, rtol=1e-12, atol=0)
+    for g, m in zip(grads, [p for m in models for p in m.parameters()]):
+        assert torch.allclose(g, m.grad, rtol=1e-10, atol=1e-12)
