@@ -91,6 +91,15 @@ def _rep(out: Any) -> torch.Tensor:
     return out.last_hidden_state[:, 0]
 
 
+def _cost_mib(cost) -> dict:
+    """A probed ``ChunkCost`` for the JSON: bytes in MiB, rows as they are; the points measured at
+    planned chunk sizes as ``[rows, peak MiB, held MiB]``."""
+    out = {k: round(v / 2**20, 3) for k, v in vars(cost).items() if isinstance(v, float)}
+    out["probe_rows"] = cost.probe_rows
+    out["measured"] = [[r, round(p / 2**20, 1), round(h / 2**20, 1)] for r, p, h in cost.measured]
+    return out
+
+
 def _time(fn: Callable[[], Any], cuda: bool, warmup: int, repeat: int) -> Dict[str, Any]:
     if cuda:
         base = torch.cuda.memory_allocated()
@@ -295,8 +304,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         row["bigbatch"]["kept_rows"] = list(bb.last_kept_rows)
         row["bigbatch"]["kept_chunks"] = bb.last_kept
         # the probe's memory model per input (MiB): why the chunks and the kept graph are what they are
-        row["bigbatch"]["chunk_cost_mib"] = [{k: round(v / 2**20, 3) for k, v in vars(c).items()}
-                                             for c in bb._prober._cache.values()]
+        row["bigbatch"]["chunk_cost_mib"] = [_cost_mib(c) for c, _ in bb._prober._cache.values()]
         if row["full"].get("status") == "ok" and row["bigbatch"].get("status") == "ok":
             row["bigbatch_over_full"] = row["bigbatch"]["median_ms"] / row["full"]["median_ms"]
         if row["public"].get("status") == "ok" and row["full"].get("status") == "ok":
