@@ -52,11 +52,11 @@ def _grads(params):
     return torch.cat([torch.zeros(p.numel()) if p.grad is None else p.grad.flatten().cpu() for p in params])
 
 
-def _assert_matches_reference(params, reference, cached_step, seed=5, tol=1e-6):
+def _assert_matches_reference(params, reference, cached_step, seed=5, tol=1e-6, loss_tol=0.0):
     """``reference()`` (the same chunks with a graph: a loss) and ``cached_step()`` (gradient
     caching: its loss, ``.grad`` filled) from one seed: the same representations, so the same loss
-    bit for bit, and gradients within ``tol`` (float32 accumulation order: the reference adds the
-    chunks' gradients in one backward, gradient caching chunk by chunk)."""
+    bit for bit (within ``loss_tol``, relative), and gradients within ``tol`` (float32 accumulation
+    order: the reference adds the chunks' gradients in one backward, gradient caching chunk by chunk)."""
     for t in params:
         t.grad = None
     torch.manual_seed(seed)
@@ -67,7 +67,7 @@ def _assert_matches_reference(params, reference, cached_step, seed=5, tol=1e-6):
         t.grad = None
     torch.manual_seed(seed)
     loss = cached_step()
-    assert loss.item() == ref_loss.item()
+    assert abs(loss.item() - ref_loss.item()) <= loss_tol * abs(ref_loss.item()), (loss.item(), ref_loss.item())
     err = ((_grads(params) - ref).norm() / ref.norm()).item()
     assert err <= tol, err
 
@@ -135,10 +135,14 @@ def test_compiled_bert_bf16_matches_the_full_batch(compiled, api):
         loss.backward()
         return loss
 
-    # on CUDA inductor's backward kernels also accumulate with atomics: 4.1e-6 for GradCache on an
-    # H200 in session 15, with the loss bitwise equal
+    # On CUDA inductor's backward kernels also accumulate with atomics: 4.1e-6 for GradCache on an
+    # H200 in session 15, with the loss bitwise equal; in one of two session-16 runs the loss was
+    # 91.830086 for the reference's 91.830093 (8e-8), in the other bitwise (each a fresh process
+    # with a cold inductor cache; a reduction kernel autotuned twice, for graphs the two runs
+    # compiled separately, may pick configurations that round differently -- not isolated)
+    cuda = dev == "cuda"
     _assert_matches_reference(list(mq.parameters()) + list(mp.parameters()), reference, cached_step,
-                              tol=1e-6 if dev == "cpu" else 2e-5)
+                              tol=2e-5 if cuda else 1e-6, loss_tol=1e-6 if cuda else 0.0)
 
 
 def test_compiled_functional_cached_matches_the_full_batch(compiled):
