@@ -117,11 +117,14 @@ def test_the_measured_plan_is_cached_and_bounded(monkeypatch):
     assert calls == []
 
 
-def test_a_whole_batch_planned_as_one_chunk_is_measured_too(monkeypatch):
+def test_a_whole_batch_planned_as_one_chunk_is_not_measured(monkeypatch):
     calls = []
-    _fake_cuda(monkeypatch, _convex, calls)
-    rows, _ = _plan(ChunkProber(), 100, 2000)  # the line says all 100 rows fit; they take 1,620 bytes
-    assert calls == [16, 16, 48, 100] and rows == 100
+    _fake_cuda(monkeypatch, _concave, calls)
+    rows, _ = _plan(ChunkProber(), 100, 2000)  # the line says all 100 rows fit: nothing larger to find
+    assert calls == [16, 16, 48] and rows == 100
+    calls.clear()
+    rows, _ = _plan(ChunkProber(), 300, 2000)  # 190 rows measured, then the whole batch: not measured
+    assert calls == [16, 16, 48, 190] and rows == 300
 
 
 def test_the_cpu_estimate_is_not_measured_again(monkeypatch):
