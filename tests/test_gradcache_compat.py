@@ -102,16 +102,18 @@ def _gather_worker(rank: int, world: int):
     q, k = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 4, generator=g, dtype=torch.float64)
     sl = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
     ql, kl = q[sl].clone().requires_grad_(), k[sl].clone().requires_grad_()
+    scale = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)  # a learned temperature
 
     @gather_input_tensor
-    def loss_fn(a, b, *, scale):
-        return bigbatch.clip_loss(a, b, scale)
+    def loss_fn(a, b, *, offset):
+        return bigbatch.clip_loss(a, b, scale + offset)
 
-    loss = loss_fn(ql, kl, scale=3.0) * world  # x world: DDP's averaging then gives the full gradient
+    loss = loss_fn(ql, kl, offset=0.0) * world  # x world: DDP's averaging then gives the full gradient
     loss.backward()
     columns = gather_input_tensor(lambda a: a, axis=1)(q[sl].T.contiguous())  # another axis
     assert torch.equal(columns, q.T)
-    return loss.detach() / world, ql.grad, kl.grad
+    # the loss's own parameter saw the whole batch: its gradient / world, no all-reduce (the docs)
+    return loss.detach() / world, ql.grad, kl.grad, scale.grad / world
 
 
 def test_gather_input_tensor_uneven_ranks():
@@ -122,12 +124,14 @@ def test_gather_input_tensor_uneven_ranks():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(8, 4, generator=g, dtype=torch.float64).requires_grad_()
     k = torch.randn(8, 4, generator=g, dtype=torch.float64).requires_grad_()
-    ref = bigbatch.clip_loss(q, k, 3.0)
+    scale = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
+    ref = bigbatch.clip_loss(q, k, scale)
     ref.backward()
     out = run_gloo(_gather_worker, 2)
     rows = [slice(0, 3), slice(3, 8)]
-    for (loss, gq, gk), sl in zip(out, rows):
+    for (loss, gq, gk, gs), sl in zip(out, rows):
         assert torch.allclose(loss, ref.detach(), rtol=1e-12)
+        assert torch.allclose(gs, scale.grad, rtol=1e-12)  # exact on every rank, averaged or not
         # the loss x world gives each rank's rows world x their full-batch gradient, which DDP's
         # averaging of the parameter gradients divides back
         assert torch.allclose(gq, 2 * q.grad[sl], rtol=1e-10) and torch.allclose(gk, 2 * k.grad[sl], rtol=1e-10)

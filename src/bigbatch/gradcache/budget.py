@@ -560,8 +560,9 @@ class ChunkProber:
         b = batch_size(x)
         rows = cost.largest_chunk(budget, b)
         # Not on the CPU, whose estimate is linear in the saved bytes; nor for a whole batch in one
-        # chunk, which a refined cost could not make larger (measuring a 512-row query batch there
-        # went with 7-14% slower eager BERT steps after it on an H200, cause not isolated: session 16)
+        # chunk, which a refined cost could not make larger (a forward + backward of the whole batch
+        # for nothing; on an H200 the eager BERT step at B = 512 is bimodal, ~200 or ~230 ms per
+        # process, with and without that measurement: benchmarks/results/probes/plan_measure_ab_s16)
         if model_device(model, x).type != "cuda" or rows == b:
             return rows, cost
         key = self._key(model, x, get_rep, autocast)

@@ -242,9 +242,12 @@ def gather_input_tensor(func: Callable[..., Any], axis: int = 0) -> Callable[...
     """Decorate a loss so that every tensor argument is all-gathered from the default process group
     and concatenated on ``axis`` first, as the public package's decorator of that name (uneven
     sizes across ranks allowed). Each rank's loss then sees the global batch, but only its own
-    rows carry a gradient, so DDP's averaging yields 1/world_size of the full-batch gradient
-    (multiply the loss by the world size for the exact one). bigbatch's own losses with
-    ``group=`` need no gather: their ring gives the exact gradient in O(B) memory."""
+    rows carry a gradient, so DDP's averaging yields 1/world_size of the encoders' full-batch
+    gradient (multiply the loss by the world size for the exact one). Not so for parameters of the
+    loss itself (a logit scale, a bias): every rank's loss sees the whole batch, so their gradient
+    is already the full batch's on each rank, and the multiplied loss makes it world_size times too
+    large (divide their ``.grad`` by the world size, without an all-reduce). bigbatch's own losses
+    with ``group=`` need no gather: their ring gives every gradient exact in O(B) memory."""
 
     @functools.wraps(func)
     def gathered_f(*args: Any, **kwargs: Any) -> Any:
