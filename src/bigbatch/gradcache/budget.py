@@ -168,6 +168,11 @@ class ChunkCost:
             )
         rows = max(1, min(cap, int(room // max(self.per_row, 1.0))))
         if not self.measured or rows < self.probe_rows:  # within the probes' line
+            # the quotient's float rounding can be a row off what peak() says fits
+            if rows < cap and self.peak(rows + 1) <= budget:
+                rows += 1
+            elif rows > 1 and self.peak(rows) > budget:
+                rows -= 1
             return rows
         lo, hi = min(self.probe_rows, cap), cap  # peak() never falls with the rows: bisect
         while lo < hi:
