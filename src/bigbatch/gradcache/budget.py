@@ -12,7 +12,7 @@ the chunk planned from that line is then measured itself, as the line extrapolat
 model's peak grows slower beyond the probe's rows (an H200, torch.compile'd BERT-base: 64.7 MiB/row
 between 16 and 48 rows, 35.5 between 48 and 128), and a model whose peak grows faster must not be
 planned past its budget. Up to :data:`_PLAN_MEASURES` such points refine the cost model
-(piecewise linear through them), once per cost.
+(piecewise linear through them) per cost.
 
 * CUDA: ``peak`` is ``torch.cuda.max_memory_allocated()`` above the allocation before the probe,
   ``act`` (memory held by the graph after the forward) likewise.
@@ -107,9 +107,13 @@ class ChunkCost:
     and ``rep_per_row`` bytes of representation per row (cached for the whole batch, with its
     gradient).
 
-    Beyond ``probe_rows`` (the larger probe chunk) the lines are replaced by what was ``measured``
-    there, ``(rows, peak, held)`` by rows: piecewise linear from the lines' values at
-    ``probe_rows`` through those points (never decreasing), the last segment extended."""
+    Refined on CUDA by chunks ``measured`` at planned sizes, ``(rows, peak, held)`` by rows, each
+    beyond ``probe_rows`` (the larger probe chunk, whose own ``probe_peak`` / ``probe_held`` were
+    measured too): the model is then piecewise linear through the measured points from the probe's
+    (never decreasing; the lines, which lie above the probes, capped at the probe's values below
+    ``probe_rows``), and beyond the last point it rises at the steeper of its last segment and its
+    chord from the probe -- or, if the measured points do not rise above the probe (allocator
+    noise), at ``per_row``: a flat extension would plan the whole batch."""
 
     fixed: float
     per_row: float
@@ -117,6 +121,8 @@ class ChunkCost:
     rep_per_row: float = 0.0
     act_fixed: float = 0.0
     probe_rows: int = 0
+    probe_peak: float = 0.0
+    probe_held: float = 0.0
     measured: Tuple[Tuple[int, float, float], ...] = ()
 
     def cached(self, rows: int) -> float:
@@ -124,57 +130,54 @@ class ChunkCost:
         return 2.0 * self.rep_per_row * rows
 
     def peak(self, rows: int) -> float:
-        return self._refined(rows, 1, self.fixed + self.per_row * rows, self.fixed + self.per_row * self.probe_rows)
+        return self._refined(rows, 1, self.fixed + self.per_row * rows, self.probe_peak, self.per_row)
 
     def held(self, rows: int) -> float:
         """Bytes a kept graph of ``rows`` rows holds; never more than the chunk's own forward +
         backward peak, which contains that graph (so a chunk that fits may always be kept alone)."""
-        line = self._refined(rows, 2, self.act_fixed + self.act_per_row * rows,
-                             self.act_fixed + self.act_per_row * self.probe_rows)
+        line = self._refined(rows, 2, self.act_fixed + self.act_per_row * rows, self.probe_held, self.act_per_row)
         return min(line, self.peak(rows))
 
-    @property
-    def known_rows(self) -> int:
-        """The largest chunk whose cost was measured, not extrapolated."""
-        return max([self.probe_rows] + [r for r, _, _ in self.measured])
+    def near_measured(self, rows: int, tolerance: float) -> bool:
+        """Whether ``rows`` is within ``tolerance`` (relative) of a measured chunk or the probe."""
+        return any(abs(rows - r) <= tolerance * r for r in [self.probe_rows] + [r for r, _, _ in self.measured])
 
     def with_point(self, rows: int, peak: float, held: float) -> "ChunkCost":
-        """This cost with a measurement at ``rows`` (beyond ``probe_rows``) added."""
+        """This cost with a measurement at ``rows`` (beyond ``probe_rows``) added (replacing one at
+        the same rows)."""
+        rows = int(rows)
+        if rows <= self.probe_rows:
+            raise ValueError(f"a measured chunk refines the cost beyond the probe's {self.probe_rows} rows, got {rows}")
         points = {r: (r, p, h) for r, p, h in self.measured}
-        points[int(rows)] = (int(rows), float(peak), float(held))
+        points[rows] = (rows, float(peak), float(held))
         return replace(self, measured=tuple(sorted(points.values())))
 
-    def _refined(self, rows: int, which: int, line: float, at_probe: float) -> float:
-        if not self.measured or rows <= self.probe_rows:
+    def _refined(self, rows: int, which: int, line: float, at_probe: float, line_slope: float) -> float:
+        if not self.measured:
             return line
+        if rows <= self.probe_rows:  # the line lies above the probe; a chunk this small peaks below it
+            return min(line, at_probe)
         knots = [(self.probe_rows, at_probe)]
-        for point in self.measured:  # a peak never falls with more rows (allocator noise aside)
-            knots.append((point[0], max(point[which], knots[-1][1])))
+        for point in self.measured:  # never decreasing with more rows (allocator noise aside)
+            if point[0] > knots[-1][0]:
+                knots.append((point[0], max(point[which], knots[-1][1])))
         for (r0, v0), (r1, v1) in zip(knots, knots[1:]):
-            if rows <= r1:
-                return v0 + (v1 - v0) * (rows - r0) / (r1 - r0)
+            if rows <= r1:  # (clamped: float rounding must not make the peak fall by an ulp)
+                return min(max(v0 + (v1 - v0) * (rows - r0) / (r1 - r0), v0), v1)
         (r0, v0), (r1, v1) = knots[-2], knots[-1]
-        return v1 + (v1 - v0) / (r1 - r0) * (rows - r1)
+        slope = max((v1 - v0) / (r1 - r0), (v1 - at_probe) / (r1 - self.probe_rows))
+        return v1 + (slope if slope > 0 else line_slope) * (rows - r1)
 
     def largest_chunk(self, budget: int, cap: int) -> int:
         """The largest row count (at most ``cap``, the batch) whose peak fits ``budget``, so that
         peak memory does not grow with B; ``ValueError`` if not even one row fits."""
-        room = budget - self.fixed
-        if room < self.per_row:
+        if self.peak(1) > budget:
             raise ValueError(
                 f"memory_budget is too small for even one example: it leaves {size(budget)} for a "
                 f"chunk (after what is allocated, slack and the cached representations), and forward + "
                 f"backward of one row takes about {size(self.peak(1))}"
             )
-        rows = max(1, min(cap, int(room // max(self.per_row, 1.0))))
-        if not self.measured or rows < self.probe_rows:  # within the probes' line
-            # the quotient's float rounding can be a row off what peak() says fits
-            if rows < cap and self.peak(rows + 1) <= budget:
-                rows += 1
-            elif rows > 1 and self.peak(rows) > budget:
-                rows -= 1
-            return rows
-        lo, hi = min(self.probe_rows, cap), cap  # peak() never falls with the rows: bisect
+        lo, hi = 1, max(1, cap)  # peak() never falls with the rows: bisect
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if self.peak(mid) <= budget else (lo, mid - 1)
@@ -456,8 +459,8 @@ def _storage_ptr(t: Tensor) -> Optional[int]:
 
 
 _CACHE_ENTRIES = 256  # probed costs kept per prober (each a few floats)
-_PLAN_MEASURES = 2  # CUDA: chunks measured at their planned size, at most, per cost
-_PLAN_TOLERANCE = 1.03  # a plan within 3% beyond a measured chunk is not measured again
+_PLAN_MEASURES = 3  # CUDA: chunks measured at their planned size, at most, per cost
+_PLAN_TOLERANCE = 0.03  # a plan within 3% of a measured chunk is not measured again
 
 
 class ChunkProber:
@@ -534,7 +537,8 @@ class ChunkProber:
         rep_per_row = points[-1][3] / points[-1][0]
         if len(points) == 1:  # a batch of one or two rows, measured whole: a smaller chunk is
             c, peak, act, _ = points[0]  # charged about that peak (a line of slope one byte through it)
-            cost = ChunkCost(max(peak - c, 0.0), 1.0, 0.0, rep_per_row, act, probe_rows=c)
+            cost = ChunkCost(max(peak - c, 0.0), 1.0, 0.0, rep_per_row, act, probe_rows=c, probe_peak=peak,
+                             probe_held=act)
         else:
             (ca, pa, aa, _), (cb, pb, ab, _) = points
             # the held graph: a two-point line (slope at least 0, fixed part at least 0)
@@ -551,28 +555,33 @@ class ChunkProber:
             # activations: its fixed part is most of the peak).
             slope = max((pb - pa) / (cb - ca), act_slope, pb / cb * 0.5, 1.0)
             fixed = max(pa - slope * ca, pb - slope * cb, 0.0)
-            cost = ChunkCost(fixed, slope, act_slope, rep_per_row, max(ab - act_slope * cb, 0.0), probe_rows=cb)
+            cost = ChunkCost(fixed, slope, act_slope, rep_per_row, max(ab - act_slope * cb, 0.0), probe_rows=cb,
+                             probe_peak=pb, probe_held=ab)
         self._store(key, cost, by_grad)
         return cost
 
     def plan(self, model: nn.Module, x: Any, get_rep: Callable[[Any], Tensor], autocast_ctx: Callable[[], Any],
              autocast: Optional[torch.dtype], cost: ChunkCost, budget: int) -> Tuple[int, ChunkCost]:
         """The largest chunk of ``x`` whose peak fits ``budget`` bytes, and the cost it was planned
-        from. On CUDA a plan beyond the rows measured so far is measured itself (forward + backward
-        of that many rows, as the probe: unseen by the step), up to :data:`_PLAN_MEASURES` times per
-        cost, and planned again from the refined cost, which replaces ``cost`` in the cache. A plan of
-        the whole batch in one chunk is not measured."""
+        from. On CUDA a plan beyond the probes that is not within 3% of a chunk measured so far is
+        measured itself (forward + backward of that many rows, as the probe: unseen by the step) and
+        planned again from the refined cost, up to :data:`_PLAN_MEASURES` measurements per cost;
+        the refined cost replaces ``cost`` in the cache (and one refined for an earlier input of
+        the same model and shape is taken up)."""
         b = batch_size(x)
-        rows = cost.largest_chunk(budget, b)
-        # Not on the CPU, whose estimate is linear in the saved bytes; nor for a whole batch in one
-        # chunk, which a refined cost could not make larger (a forward + backward of the whole batch
-        # for nothing; on an H200 the eager BERT step at B = 512 is bimodal, ~200 or ~230 ms per
-        # process, with and without that measurement: benchmarks/results/probes/plan_measure_ab_s16)
-        if model_device(model, x).type != "cuda" or rows == b:
-            return rows, cost
+        if model_device(model, x).type != "cuda":  # the CPU estimate is linear in the saved bytes
+            return cost.largest_chunk(budget, b), cost
         key = self._key(model, x, get_rep, autocast)
-        by_grad = self._cache[key][1] if key in self._cache else None
-        while rows > cost.known_rows * _PLAN_TOLERANCE and len(cost.measured) < _PLAN_MEASURES and rows < b:
+        by_grad = None
+        if key in self._cache:
+            cached, by_grad = self._cache[key]
+            for point in cached.measured:  # (the same probes: their points refine either)
+                if point[0] > cost.probe_rows:
+                    cost = cost.with_point(*point)
+        rows = cost.largest_chunk(budget, b)
+        # (a plan within the probes' rows is on their line, which lies above them: not measured)
+        while (rows > cost.probe_rows and len(cost.measured) < _PLAN_MEASURES
+               and not cost.near_measured(rows, _PLAN_TOLERANCE)):
             [(c, peak, act, _)], by_grad = self._measure_rows(model, x, get_rep, autocast_ctx, [rows], by_grad, warm=False)
             cost = cost.with_point(c, peak, act)
             rows = cost.largest_chunk(budget, b)
