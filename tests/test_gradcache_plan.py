@@ -102,24 +102,20 @@ def _convex(rows: int) -> float:  # 20 bytes/row beyond the probe
     return 100 + 10 * rows if rows <= 48 else 580 + 20 * (rows - 48)
 
 
-def test_a_peak_growing_slower_than_the_probes_line_gets_larger_chunks(monkeypatch):
-    calls = []
-    _fake_cuda(monkeypatch, _concave, calls)
-    rows, cost = _plan(ChunkProber(), 1000, 2000)
-    # the line plans 190 rows; measured there (1148 bytes), the chunk is planned again: 403, measured
-    # at the budget exactly, and within the tolerance of itself: no third measurement
-    assert calls == [16, 16, 48, 190, 403]
-    assert rows == 403 and _concave(rows) <= 2000 < _concave(rows + 1)
-    assert [p[0] for p in cost.measured] == [190, 403]
-
-
-def test_a_peak_growing_faster_than_the_probes_line_is_not_planned_past_the_budget(monkeypatch):
-    calls = []
-    _fake_cuda(monkeypatch, _convex, calls)
-    rows, _ = _plan(ChunkProber(), 1000, 2000)
+@pytest.mark.parametrize("curve, measured, planned", [
+    # the line plans 190 rows; measured there (1,148 bytes), planned again: 403, measured at the
+    # budget exactly (within the tolerance of itself: no third measurement)
+    (_concave, [190, 403], 403),
     # 3,420 bytes at the line's 190 rows: planned again between 48 and 190, and measured there
-    assert calls == [16, 16, 48, 190, 119]
-    assert rows == 119 and _convex(rows) <= 2000 < _convex(rows + 1)
+    (_convex, [190, 119], 119),
+], ids=["slower: larger chunks", "faster: not past the budget"])
+def test_a_peak_off_the_probes_line_is_planned_from_measurements(monkeypatch, curve, measured, planned):
+    calls = []
+    _fake_cuda(monkeypatch, curve, calls)
+    rows, cost = _plan(ChunkProber(), 1000, 2000)
+    assert calls == [16, 16, 48] + measured
+    assert rows == planned and curve(rows) <= 2000 < curve(rows + 1)
+    assert [p[0] for p in cost.measured] == sorted(measured)
 
 
 def test_the_measured_plan_is_cached_and_bounded(monkeypatch):
