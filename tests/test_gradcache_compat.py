@@ -207,7 +207,7 @@ def test_gather_input_tensor_refuses_mismatched_tensors_on_every_rank():
     from distributed_harness import run_gloo
 
     for out in run_gloo(_gather_mismatch_worker, 2, timeout=120.0):
-        assert "size 0 beside the gathered axis must be the same on every rank" in out["width"], out
+        assert "the size of dimension 1 must be the same on every rank" in out["width"], out
         assert "the dtype must be the same on every rank" in out["dtype"] and "torch.float64" in out["dtype"], out
         assert "ndim must be the same on every rank" in out["ndim"], out
         assert "a 0-d tensor cannot be gathered" in out["scalar"], out

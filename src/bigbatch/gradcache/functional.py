@@ -229,7 +229,10 @@ def _gathered(t: Any, axis: int) -> Any:
     rows = shape.pop(axis) if shape else 0
     fields = {"rows": rows, "ndim": t.dim(), "dtype": dtype_code(t.dtype)}
     fields.update({f"dim{i}": shape[i] if i < len(shape) else -1 for i in range(_GATHER_DIMS - 1)})
-    shown = {f"dim{i}": (f"size {i} beside the gathered axis", _dim_text) for i in range(_GATHER_DIMS - 1)}
+    # named by this rank's dimension index (the gathered axis left out of the exchanged sizes)
+    others = [d for d in range(t.dim()) if d != axis % t.dim()] if problem is None else []
+    shown = {f"dim{i}": (f"the size of dimension {others[i]}" if i < len(others) else
+                         f"size {i} beside the gathered axis", _dim_text) for i in range(_GATHER_DIMS - 1)}
     table = agree(ring, t.device, fields, same=["ndim", "dtype"] + [f"dim{i}" for i in range(_GATHER_DIMS - 1)],
                   local_error=problem, shown=shown, what="gather_input_tensor")
     sizes = [int(n) for n in table["rows"]]
