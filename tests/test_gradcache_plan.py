@@ -207,3 +207,16 @@ def test_gradcache_chunks_follow_the_measured_plan(monkeypatch):
     assert torch.allclose(value, ref, rtol=1e-12, atol=0)
     for g, m in zip(grads, [p for m in models for p in m.parameters()]):
         assert torch.allclose(g, m.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_the_default_cuda_budget_counts_the_allocators_unused_blocks(monkeypatch):
+    """The device reports the blocks PyTorch's caching allocator holds as taken; after a first step
+    they were left out, and the default budget collapsed (a review's simulation: 127 -> 20 GiB on a
+    141 GiB GPU, chunks 2,411 -> 330 rows)."""
+    from bigbatch.gradcache import cache
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 141 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 4 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 124 * gib)  # 120 GiB held unused
+    assert cache.default_budget(torch.device("cuda", 0)) == 4 * gib + int(130 * gib * 0.9)

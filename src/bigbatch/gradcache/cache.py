@@ -88,11 +88,16 @@ def check_chunk_sizes(chunk_sizes: Any) -> List[int]:
 
 
 def default_budget(device: torch.device, chunk_arg: str = "chunk_sizes") -> int:
-    """On CUDA: what is allocated now plus 90% of the device's free memory (a step may use 90% of
-    what is free); on other devices a budget must be given (``chunk_arg``: the caller's chunk argument)."""
+    """On CUDA: what is allocated now plus 90% of what this process could still allocate: the
+    device's free memory and the blocks PyTorch's caching allocator holds unused (reserved, not
+    allocated; the device counts them as taken, so after a first step they would otherwise shrink
+    the budget to what the allocator never reserved); on other devices a budget must be given
+    (``chunk_arg``: the caller's chunk argument)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return torch.cuda.memory_allocated(device) + int(free * _FREE_FRACTION)
+        allocated = torch.cuda.memory_allocated(device)
+        cached = max(torch.cuda.memory_reserved(device) - allocated, 0)
+        return allocated + int((free + cached) * _FREE_FRACTION)
     raise ValueError(
         f"{chunk_arg}=None needs a memory_budget on {device.type} (memory cannot be measured there "
         f"the way it is on CUDA): pass {chunk_arg}=<rows per chunk> or memory_budget='4GiB'"
@@ -124,9 +129,9 @@ class GradCache:
     Keyword-only (bigbatch's own; the arguments above keep the public package's positions):
         memory_budget: bytes or a string like ``"16GiB"``: the step's peak memory. On CUDA the device's
             whole allocation (``torch.cuda.memory_allocated``), so what is allocated when the step starts
-            (weights, optimizer state, ``.grad``) counts; default: that plus 90% of the free memory. On the
-            CPU (no allocator statistics) the memory the step adds, estimated; a budget or chunk sizes
-            are required there.
+            (weights, optimizer state, ``.grad``) counts; default: that plus 90% of the free memory
+            (free on the device or held unused by PyTorch's allocator). On the CPU (no allocator
+            statistics) the memory the step adds, estimated; a budget or chunk sizes are required there.
         autocast_dtype: run encoders and loss under ``torch.autocast`` with this dtype (bf16/fp16).
         offload_inputs: keep inputs on the CPU (pinned); each chunk is copied to the model's device on a
             side stream, overlapped with the previous chunk's compute.

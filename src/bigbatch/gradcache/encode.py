@@ -138,7 +138,8 @@ def cached_encode(
         inputs: tensor, mapping (dict, BatchEncoding), list or tuple with batch dimension 0.
         chunk_size: rows per chunk; ``None`` picks the largest chunk whose forward + backward fits
             ``memory_budget`` (the step's peak; on CUDA the device's whole allocation, default: what is
-            allocated plus 90% of the free memory; on CPU one of the two is required).
+            allocated plus 90% of the free memory, free on the device or held unused by PyTorch's
+            allocator; on CPU one of the two is required).
         get_rep_fn: model output -> (rows, ...) representation; default: the output itself.
         split_input_fn: custom ``(inputs, chunk_size) -> chunks``.
         autocast_dtype: autocast dtype for both passes; ``None`` inherits the caller's autocast state.
