@@ -170,3 +170,27 @@ def test_restricted_backward_leaves_unregistered_trainables_alone():
     enc = encoder(2)
     loss(cached_encode(enc, x, 4, get_rep_fn=proj)).backward(inputs=[enc[2].weight])
     assert enc[2].weight.grad is not None and proj.weight.grad is None and enc[0].weight.grad is None
+
+
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_inputs_on_another_device_than_the_model_with_a_kept_graph(monkeypatch, api, frozen):
+    """Inputs that require grad staged to the model's device (CPU inputs, a model on cuda:1): each
+    chunk is a copy, which must stay in the graph. cached_encode's pass 1 runs under no_grad, and
+    the kept chunk's copy was made there: its rows got a zero input gradient (a review's finding;
+    on the CPU the copy to another device is emulated by a clone, which autograd records alike)."""
+    from bigbatch.gradcache import chunking
+
+    monkeypatch.setattr(chunking, "to_device", lambda x, device, non_blocking=False: chunking.map_tensors(x, torch.clone))
+    base, y, w, temp, eq, ep = setup(frozen)
+    ref = full(base, y, w, temp, eq, ep)
+    for t in [w, temp] + list(eq.parameters()):
+        t.grad = None
+    if api == "cached_encode":
+        q = cached_encode(eq, base @ w, 4, keep_last_graph=True)
+        loss_fn(q, cached_encode(ep, y, 4, keep_last_graph=True), temp).backward()
+    else:
+        GradCache([eq, ep], 4, lambda q, p: loss_fn(q, p, temp), keep_last_graph=True)(base @ w, y)
+    got = [w.grad, temp.grad] + [p.grad for p in eq.parameters() if p.requires_grad]
+    for a, b, name in zip(got, ref, ["W", "temp", "encoder params"]):
+        assert_rel(a, b, 1e-10, name)

@@ -283,8 +283,12 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
         lazy = LazyInits([mine[0].model])  # empty once materialised (after the first step)
         # One autocast context for all chunks of this input: autocast casts each fp32 weight to
         # half once per context, so the chunks share one cast (one ~2-bytes-per-parameter copy kept
-        # for the pass) instead of re-casting every weight per chunk.
-        with amp():
+        # for the pass) instead of re-casting every weight per chunk. With a kept chunk, the copies
+        # to the model's device are made in grad mode (cached_encode runs pass 1 under no_grad): a
+        # kept graph must reach back through its chunk's copy to inputs that require grad (each
+        # chunk's forward sets its own grad mode).
+        copies_in_graph = torch.enable_grad() if any(u.keep for u in mine) else contextlib.nullcontext()
+        with amp(), copies_in_graph:
             for u, chunk in zip(mine, staged([u.chunk for u in mine], device, opts.offload_inputs)):
                 written = Written(u.chunk)
                 with recording(states, [u.model]) as record, _one_row_chunk_hint(u, len(mine)):
