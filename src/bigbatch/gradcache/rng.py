@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import random
 import sys
+import threading
 from typing import Any, Iterable, Iterator, List, Optional
 
 import torch
@@ -36,6 +37,9 @@ def _numpy_random() -> Optional[Any]:
     """``numpy.random`` if NumPy is already imported (never imports it)."""
     np = sys.modules.get("numpy")
     return getattr(np, "random", None) if np is not None else None
+
+
+_REPLAY_LOCK = threading.RLock()  # see RngState.replay
 
 
 @contextlib.contextmanager
@@ -82,7 +86,13 @@ class RngState:
 
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
-        """Run the body with the captured states; the caller's states are restored on exit."""
-        with forked_rng(self.devices):
+        """Run the body with the captured states; the caller's states are restored on exit.
+
+        One replay at a time per process: the CPU, Python and NumPy generators are process-wide, and
+        autograd runs the backward of graphs on different GPUs in one thread per device, so two
+        ``cached_encode`` nodes (encoders on cuda:0 and cuda:1) re-run their chunks concurrently and
+        would each replay into, and restore, the other's state. The lock covers a chunk's re-run
+        forward only (not its backward, which may need the other device's thread)."""
+        with _REPLAY_LOCK, forked_rng(self.devices):
             self.restore()
             yield
