@@ -416,6 +416,37 @@ def test_offload_inputs_and_reps_exact():
     check_grads(params, ref, TOL)
 
 
+def test_offloaded_representations_leave_the_device_before_the_re_runs():
+    """With offload_reps the plan counts neither the representations nor their gradients on the
+    device: the re-runs must not find them there (before: the B x D leaves and their .grad stayed
+    referenced through pass 2, and the loss's graph held them too; a review's finding -- the
+    offloaded H200 step peaked 0.1 GiB above the plain one)."""
+    import gc
+    import weakref
+
+    models = make_models(2)
+    x, y = make_input("tensor", 10, 1), make_input("tensor", 10, 2)
+    seen, alive = [], []
+
+    def loss_fn(a, b):  # the loss gets clones of the cached leaves: their AccumulateGrad holds the leaf
+        seen.extend(weakref.ref(t.grad_fn.next_functions[0][0].variable) for t in (a, b))
+        return clip()(a, b)
+
+    def in_pass_two(module, args):
+        if seen:
+            gc.collect()
+            alive.append(sum(r() is not None for r in seen))
+
+    hooks = [m.register_forward_pre_hook(in_pass_two) for m in models]
+    GradCache(models, chunk_sizes=3, loss_fn=loss_fn, offload_reps=True)(x, y)
+    assert alive and max(alive) == 0, alive
+    seen.clear(), alive.clear()
+    GradCache(models, chunk_sizes=3, loss_fn=loss_fn)(x, y)  # without offloading they stay (the plan counts them)
+    assert alive and min(alive) == 2, alive
+    for h in hooks:
+        h.remove()
+
+
 def test_auto_chunk_from_budget_on_cpu():
     models = make_models(2)
     params = params_of(models)

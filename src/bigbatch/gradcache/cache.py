@@ -390,7 +390,14 @@ class GradCache:
             # tensors, until the step returns)
             retain = bool(boundaries) or any(u.hidden for u in units)
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward(retain_graph=retain)
-            sent, graphs = backprop(units, [leaf.grad for leaf in leaves], opts)
+            grads, loss = [leaf.grad for leaf in leaves], loss.detach()
+            if self.offload_reps:
+                # the plan counts neither R nor G on the device: both leave it before the re-runs (the
+                # loss's graph, dropped above, held the leaves through its AccumulateGrad nodes)
+                grads = [None if g is None else g.to("cpu") for g in grads]
+                del reps, leaves
+            sent, graphs = backprop(units, grads, opts)
+            del grads
             if sent and not graphs:  # a plain step would train the loss's own parameters only, or fail
                 warn_user(
                     "GradCache: no chunk of a trained encoder built a graph: their forwards used no tensor that "
@@ -400,7 +407,7 @@ class GradCache:
         finally:
             for u in units:  # never leave a kept graph alive after an error
                 u.kept_rep = None
-        return loss.detach()
+        return loss
 
 
 class _null:

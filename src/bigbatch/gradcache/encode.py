@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .._autograd import refuse_batched, refuse_create_graph
 from .head import attach_head
-from .budget import ChunkProber, MemoryArg, in_use_at_start, offloads, parse_memory, plan_chunk, planning_budget, probe_cost
+from .budget import ChunkProber, MemoryArg, in_use_at_start, parse_memory, plan_chunk, planning_budget, probe_cost
 from .cache import _BUDGET_FRACTION, _identity, check_callables, check_options, default_budget
 from .chunking import batch_size, check_offload_target, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, _autocast, backprop, encode, finalize_plan
@@ -143,7 +143,10 @@ def cached_encode(
         get_rep_fn: model output -> (rows, ...) representation; default: the output itself.
         split_input_fn: custom ``(inputs, chunk_size) -> chunks``.
         autocast_dtype: autocast dtype for both passes; ``None`` inherits the caller's autocast state.
-        offload_inputs / offload_reps / ddp_sync: as for :class:`~bigbatch.GradCache`.
+        offload_inputs / offload_reps / ddp_sync: as for :class:`~bigbatch.GradCache`; but the
+            representation is returned on the model's device for the caller's loss and its gradient
+            arrives there, so ``offload_reps`` only keeps pass 1's per-chunk representations off the
+            device, and a ``memory_budget`` counts the whole batch's representation and gradient.
         keep_last_graph: keep the last chunk's graph until the backward (saves its re-run; costs its
             activations during the caller's loss).
 
@@ -177,10 +180,11 @@ def cached_encode(
         cost = probe_cost(_PROBER, model, bounded, get_rep, _autocast(device, autocast_dtype), autocast_dtype,
                           custom_split=split_input_fn is not None)
         b = batch_size(inputs)
-        cached = 0.0 if offloads(offload_reps, device) else cost.cached(b)
+        # the representation returns to the device for the caller's loss, and its gradient arrives
+        # there: both live through the backward's re-runs, offload_reps or not
+        cached = cost.cached(b)
         taken = in_use_at_start([device], [model] if needs_grad else [])  # no backward: no .grad made
-        usable = planning_budget(budget, _BUDGET_FRACTION, cached, taken,
-                                 can_offload=not offload_reps and device.type != "cpu")
+        usable = planning_budget(budget, _BUDGET_FRACTION, cached, taken, can_offload=False)
         chunk_size, _ = plan_chunk(_PROBER, model, bounded, get_rep, _autocast(device, autocast_dtype), autocast_dtype,
                                    cost, usable, custom_split=split_input_fn is not None)
     chunks = split_chunks(bounded, chunk_size, split_input_fn=split_input_fn, from_budget=sized_from_budget)
