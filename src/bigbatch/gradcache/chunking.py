@@ -292,7 +292,8 @@ def staged(chunks: Sequence[Any], device: torch.device, overlap: bool) -> Iterat
     """Yield ``chunks`` on ``device``. With ``overlap`` on CUDA, chunk i+1 is copied on a side
     stream while chunk i computes (pinned sources make the copy truly asynchronous); the
     consumer stream waits for the copy and the copies are recorded on it so the caching
-    allocator never reuses them early. At most two chunks are on the device at a time."""
+    allocator never reuses them early. Up to three chunks are on the device at a time: the one
+    computed, the next being copied, and the previous one while the caller's loop still holds it."""
     if not (overlap and device.type == "cuda"):
         for c in chunks:
             yield to_device(c, device)
