@@ -345,3 +345,30 @@ def test_direct_ring_api_without_a_group_names_the_single_process_loss(name, loc
     args = (torch.randn(4, 3), torch.randn(4, 3), 2.0) + ((-1.0,) if local == "siglip_loss" else ())
     with pytest.raises(ValueError, match=rf"{name} needs a process group \(group=...\); without one use bigbatch.{local}"):
         getattr(bd, name)(*args, group=None)
+
+
+def test_error_exchanges_run_on_the_features_device(monkeypatch):
+    """torch packs an object all_gather on the current CUDA device and NCCL keys communicators by
+    device: a rank whose features are on cuda:1 in a process whose current device is cuda:0 must
+    exchange its error there, not on cuda:0 (a hang; a review's finding). Simulated: which device
+    ``_current`` makes current."""
+    from bigbatch.distributed import ring
+
+    entered = []
+
+    class FakeDevice:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "device", FakeDevice)
+    with ring._current(torch.device("cuda", 1)):
+        pass
+    with ring._current(torch.device("cpu")):
+        pass
+    assert entered == [torch.device("cuda", 1)]
