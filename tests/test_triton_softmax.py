@@ -571,3 +571,64 @@ def test_kmajor_with_half_inputs(tune):
     ref_dq, ref_dk = torch.autograd.grad(ref, (q64, k64))
     assert_rel(dq, ref_dq, 2e-2, "dq")
     assert_rel(dk, ref_dk, 2e-2, "dk")
+
+
+def test_kernels_launch_with_the_inputs_device_current(monkeypatch):
+    """Triton launches on the current CUDA device and its stream: features on cuda:1 in a process
+    left on cuda:0 failed ("cannot be accessed from Triton") or, with peer access, ran unordered on
+    cuda:0's stream (a review's finding). Every Triton backend entry makes the inputs' device
+    current. Simulated: a stand-in tensor on cuda:1 and a recording torch.cuda.device."""
+    import types
+
+    from bigbatch.backends.base import on_inputs_device
+    from bigbatch.backends.triton_sigmoid import TritonSigmoid
+    from bigbatch.backends.triton_softmax import TritonTiles
+
+    current = []
+
+    class FakeDevice:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            current.append(self.device)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "device", FakeDevice)
+    seen = []
+
+    @on_inputs_device
+    def launch(self, q, k):
+        seen.append(list(current))
+
+    launch(None, types.SimpleNamespace(device=torch.device("cuda", 1)), None)
+    launch(None, torch.zeros(1), None)  # a CPU tensor (the interpreter): nothing to switch
+    assert seen == [[torch.device("cuda", 1)], []] and current == []
+    for method in (TritonTiles.lse, TritonTiles.lse_grad, TritonSigmoid.sigmoid_pass):
+        assert getattr(method, "__wrapped__", None) is not None, method
+
+
+@pytest.mark.parametrize("props, stages", [
+    ({"shared_memory_per_block_optin": 232448}, 3),  # H100 / H200
+    ({"shared_memory_per_block_optin": 101376}, 2),  # sm_86 / sm_89: 128 KiB does not fit
+    ({"major": 8, "minor": 0}, 3),  # a torch without the attribute: by compute capability (A100)
+    ({"major": 8, "minor": 9}, 2),
+    ({"major": 12, "minor": 0}, 2),  # unknown: the smallest
+])
+def test_fp32_product_stages_fit_the_devices_shared_memory(monkeypatch, props, stages):
+    """The H200-tuned paired fp32 product kernel needs 128 KiB of shared memory in 3 stages: on an
+    RTX 30xx / 40xx, A10 or L4 (99 KiB) every fp32 softmax backward raised OutOfResources (a
+    review's finding, compiled for those targets on the CPU)."""
+    import types
+
+    from bigbatch.backends import triton_softmax
+
+    fake = types.SimpleNamespace(multi_processor_count=100, major=9, minor=0)
+    for name, value in props.items():
+        setattr(fake, name, value)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: fake)
+    cfg = triton_softmax._gpu_config(torch.float32, torch.device("cuda", 0))
+    assert cfg.mm_stages == stages
+    assert triton_softmax._gpu_config(torch.bfloat16, torch.device("cuda", 0)).products == "cublas"

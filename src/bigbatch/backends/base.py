@@ -31,10 +31,30 @@ Conventions shared by all backends:
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, Tuple, runtime_checkable
+import functools
+from typing import Any, Callable, Optional, Protocol, Tuple, TypeVar, runtime_checkable
 
 import torch
 from torch import Tensor
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def on_inputs_device(method: F) -> F:
+    """Run a backend method with its first tensor argument's CUDA device current. Triton launches a
+    kernel on the *current* device and its current stream: for features on cuda:1 in a process
+    left on cuda:0 (a model moved there, the last layer of a model split over GPUs) it would fail
+    ("cannot be accessed from Triton") or, with peer access, run on cuda:0's stream, unordered
+    against cuda:1's work on the same buffers."""
+
+    @functools.wraps(method)
+    def run(self: Any, q: Tensor, *args: Any, **kwargs: Any) -> Any:
+        if q.device.type != "cuda":
+            return method(self, q, *args, **kwargs)
+        with torch.cuda.device(q.device):
+            return method(self, q, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from . import kernels_imported, triton_runs_on
-from .base import compute_dtype
+from .base import compute_dtype, on_inputs_device
 from .torch_sigmoid import check_ids
 from .gemm import check_fp32_precision, fp32_dot_precision, fp32_matmul, mm_acc
 from .torch_tiles import blocks
@@ -241,6 +241,7 @@ class TritonSigmoid:
             rows = _align(max(rows, min(m, budget // cols)), m)
         return rows, cols
 
+    @on_inputs_device
     def sigmoid_pass(
         self,
         q: Tensor,

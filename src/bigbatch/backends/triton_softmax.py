@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from . import triton_runs_on
-from .base import compute_dtype
+from .base import compute_dtype, on_inputs_device
 from .gemm import check_fp32_precision, fp32_dot_precision, mm_acc
 from .triton_softmax_bwd import dlogits_kernel, matmul_acc_kernel, matmul_acc_pair_kernel
 from .triton_softmax_fwd import lse_fwd_kernel
@@ -75,15 +75,32 @@ class _Config:
     products: str = "separate"
 
 
+# Opt-in shared memory per block by compute capability, for a torch whose device properties lack
+# ``shared_memory_per_block_optin``; an unknown GPU is taken as the smallest of the tensor-core ones
+_SHARED_MEMORY = {(7, 0): 98304, (7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912,
+                  (8, 9): 101376, (9, 0): 232448}
+
+
+def shared_memory_per_block(device: torch.device) -> int:
+    """Bytes of shared memory one block may use on ``device`` (opt-in maximum)."""
+    props = torch.cuda.get_device_properties(device)
+    known = getattr(props, "shared_memory_per_block_optin", None)
+    return int(known) if known else _SHARED_MEMORY.get((props.major, props.minor), 101376)
+
+
 def _gpu_config(dtype: torch.dtype, device: torch.device) -> _Config:
     """Defaults from the block-shape sweep on an H200 (``python -m bigbatch.bench.clip --tune``)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if dtype == torch.float32:
+        # The paired fp32 product kernel (128 x 128 x 32, 8 warps) takes 128 KiB of shared memory in
+        # 3 stages, over the 99 KiB of sm_86 / sm_89 (RTX 30xx / 40xx, A10, L4, L40S): 64 KiB in 2
+        # (compiled for those targets with triton 3.9; every other default kernel fits there).
+        mm_stages = 3 if shared_memory_per_block(device) >= 131072 else 2
         # TF32 tensor-core products need both operands K-major on Hopper: kmajor.
         return _Config(
             block_m=128, block_n=128, block_d=32, warps=4, stages=3,
             ds_block_m=128, ds_block_n=128, ds_block_d=32, ds_warps=4, ds_stages=3,
-            mm_block_m=128, mm_block_n=128, mm_block_k=32, mm_warps=8, mm_stages=3,
+            mm_block_m=128, mm_block_n=128, mm_block_k=32, mm_warps=8, mm_stages=mm_stages,
             # 4096 x 4096 super-tiles (dS and dS.T: 2 x 64 MiB) and one launch for both products:
             # B = 8192 / 32768 / 262144, D = 512 in 2.95 / 25.1 / 1591 ms against 3.53 / 32.5 /
             # 2052 ms with 4096 x 2048 and two launches (benchmarks/results/probes/clip_fp32_ab_h200.json).
@@ -208,6 +225,7 @@ class TritonTiles:
         return _TL_DTYPE[dtype], "tf32"
 
     # ------------------------------------------------------------------ forward
+    @on_inputs_device
     def lse(self, q: Tensor, k: Tensor, scale: Tensor, *, rows: bool, cols: bool):
         self._check(q, k, scale)
         ct = compute_dtype(q.dtype)
@@ -243,6 +261,7 @@ class TritonTiles:
         return lse_row, lse_col
 
     # ------------------------------------------------------------------ backward
+    @on_inputs_device
     def lse_grad(
         self, q, k, scale, lse_row, lse_col, g_row, g_col, *, pos_labels=None, g_pos=None, grad_dtype=None
     ):
