@@ -181,6 +181,21 @@ def test_a_block_at_the_precision_in_force_pins_nothing():
     assert not torch_allows_tf32()
 
 
+@pytest.mark.skipif(not NEW_API, reason="torch without the fp32_precision API")
+def test_a_block_at_another_precision_leaves_the_inherited_setting_inherited():
+    """fp32_matmul("ieee") under a global "tf32" setting: putting back the CUDA matmul's read value
+    pinned it (it reads the value it inherits), so a later global "ieee" no longer reached torch.mm
+    (a review's finding)."""
+    from bigbatch.backends.gemm import fp32_matmul
+
+    with matmul_setting("global"):  # torch.backends.fp32_precision = "tf32", the matmul's own unset
+        with fp32_matmul("ieee"):
+            assert not torch_allows_tf32()
+        assert torch_allows_tf32()
+        torch.backends.fp32_precision = "ieee"
+        assert MM.fp32_precision == "ieee" and not torch_allows_tf32()
+
+
 def test_reading_the_setting_warns_nothing():
     import warnings
 

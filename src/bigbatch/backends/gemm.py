@@ -128,6 +128,10 @@ def fp32_matmul(precision: Optional[str]) -> Iterator[None]:
             yield
             return
         old = mm.fp32_precision if new_api else mm.allow_tf32
+        if new_api and old == getattr(torch.backends, "fp32_precision", None):
+            # reading gives the value it inherits from torch.backends.fp32_precision: restoring that
+            # value would pin it ("none" inherits again; one set equal to the global reads the same)
+            old = "none"
         if new_api:
             mm.fp32_precision = precision
         else:
