@@ -687,3 +687,69 @@ def test_checkpoints_on_a_filesystem_refusing_directory_fsync(tmp_path, data, mo
     monkeypatch.setattr(os, "fsync", fsync)
     base = _stopped_run(tmp_path, data)
     assert train(TrainConfig(**base, out=str(tmp_path / "run")), resume=True, log=lambda s: None)["finished"]
+
+
+def test_accumulation_baseline_scales_its_fp16_loss_like_gradcache():
+    """--accumulate --precision fp16 (CUDA): the loop's GradScaler stepped an optimizer whose
+    gradients came from an unscaled backward ("Attempted step but _scale is None" at step 1; a
+    review's finding). Simulated on the CPU with a CPU scaler: with one micro-batch the baseline and
+    GradCache see the same loss, and the optimizer steps on the same gradients."""
+    import dataclasses
+
+    from bigbatch.train.loop import Dist, Optimizers, make_accumulated_step, make_cached_step, make_loss_fn
+    from bigbatch.train.model import build_model
+
+    b = 16
+    cfg = TrainConfig(batch_size=b, chunk_size=b, precision="fp16", buckets=512, dim=32, backend="torch")
+    texts_q = [f"query {i} about function_{i} and thing{i % 3}" for i in range(b)]
+    texts_k = [f"def function_{i}(x): return thing{i % 3} + {i}" for i in range(b)]
+    moved = []
+    for accumulate in (False, True):
+        torch.manual_seed(0)
+        model = build_model("bag", "clip", max_length=16, buckets=512, dim=32)
+        q, k = model.tokenize(texts_q), model.tokenize(texts_k)
+        opt = Optimizers(model, 1e-2, 0.0)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        c = dataclasses.replace(cfg, accumulate=accumulate)
+        loss_fn = make_loss_fn(c, model, Dist(), b)
+        step = (make_accumulated_step(c, model, loss_fn, torch.device("cpu"), Dist(), scaler) if accumulate
+                else make_cached_step(c, model, loss_fn, scaler))
+        opt.zero_grad(set_to_none=True)
+        step(q, k)
+        before = [p.detach().clone() for p in opt.params]
+        scaler.step(opt)  # as the loop does
+        scaler.update()
+        moved.append([p.detach() - w for p, w in zip(opt.params, before)])
+    for a, c in zip(*moved):
+        assert torch.allclose(a, c, rtol=1e-5, atol=1e-7)
+    assert any(m.abs().max() > 0 for m in moved[1])
+
+
+def test_the_cuda_stream_saved_is_the_training_devices_and_goes_to_the_resuming_one(monkeypatch):
+    """A checkpoint kept every visible GPU's generator and put them back by index: a resume on a
+    machine with fewer GPUs failed (IndexError), and one on another index (--device cuda:1, or a
+    torchrun rank mapped elsewhere) continued another device's stream (a review's finding).
+    Simulated with fake CUDA generators."""
+    import random
+
+    from bigbatch.train import checkpoint
+
+    gens = {0: torch.tensor([10]), 1: torch.tensor([11])}
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: gens[torch.device(device).index].clone())
+
+    def set_state(state, device=None):
+        gens[torch.device(device).index] = state.clone()
+
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_state)
+    state = checkpoint.rng_state(torch.device("cuda", 1))
+    assert "cuda" not in state and torch.equal(state["cuda_device"], torch.tensor([11]))
+    gens[1] = torch.tensor([99])
+    checkpoint.set_rng_state(state, torch.device("cuda", 0))  # resumed on another index: its stream there
+    assert torch.equal(gens[0], torch.tensor([11])) and torch.equal(gens[1], torch.tensor([99]))
+    # a checkpoint of before: every device's state by index; a machine with fewer GPUs takes its own
+    old = {"torch": torch.get_rng_state(), "python": random.getstate(), "cuda": [torch.tensor([20]), torch.tensor([21])]}
+    checkpoint.set_rng_state(old, torch.device("cuda", 1))
+    assert torch.equal(gens[1], torch.tensor([21]))
+    checkpoint.set_rng_state(dict(old, cuda=[torch.tensor([30])]), torch.device("cuda", 1))
+    assert torch.equal(gens[1], torch.tensor([30]))
+    checkpoint.set_rng_state(state, torch.device("cpu"))  # a CPU run touches no CUDA generator

@@ -28,20 +28,30 @@ from torch import nn
 LATEST = "latest"
 
 
-def rng_state() -> Dict[str, Any]:
-    """Every RNG a training step may draw from (torch CPU, each CUDA device, Python)."""
+def rng_state(device: Optional[torch.device] = None) -> Dict[str, Any]:
+    """Every RNG a training step may draw from: torch's CPU generator, Python's, and the generator
+    of the CUDA ``device`` the run trains on (only that one: a resumed run may have fewer GPUs, or
+    train on another index, and continues this device's stream on its own)."""
     state: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device is not None and device.type == "cuda":
+        state["cuda_device"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: Dict[str, Any]) -> None:
+def set_rng_state(state: Dict[str, Any], device: Optional[torch.device] = None) -> None:
+    """Put back :func:`rng_state`'s generators; the saved CUDA stream goes to ``device`` (the
+    device this run trains on, whichever index the saved run used)."""
     torch.set_rng_state(state["torch"])
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if device is None or device.type != "cuda":
+        return
+    if "cuda_device" in state:
+        torch.cuda.set_rng_state(state["cuda_device"], device)
+    elif state.get("cuda"):  # a checkpoint before session 16: every visible device's state, by index
+        saved = state["cuda"]
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.set_rng_state(saved[index] if index < len(saved) else saved[0], device)
 
 
 def _write_text_atomic(path: Path, text: str) -> None:

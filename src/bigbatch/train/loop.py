@@ -319,9 +319,11 @@ def make_cached_step(cfg: TrainConfig, model: DualEncoder, loss_fn, scaler) -> C
     return lambda q, k: gc(q, k)
 
 
-def make_accumulated_step(cfg: TrainConfig, model: DualEncoder, loss_fn, device, d: "Dist") -> Callable[[Inputs, Inputs], Tensor]:
+def make_accumulated_step(cfg: TrainConfig, model: DualEncoder, loss_fn, device, d: "Dist",
+                          scaler=None) -> Callable[[Inputs, Inputs], Tensor]:
     """Gradient accumulation (the baseline): mean of per-micro-batch losses, negatives only within a
-    micro-batch of this process (the returned loss: the mean over ranks)."""
+    micro-batch of this process (the returned loss: the mean over ranks). With fp16 each
+    micro-batch's loss is scaled by ``scaler`` before its backward, as GradCache scales its loss."""
     dtype = PRECISIONS[cfg.precision]
 
     def step(q: Inputs, k: Inputs) -> Tensor:
@@ -333,7 +335,7 @@ def make_accumulated_step(cfg: TrainConfig, model: DualEncoder, loss_fn, device,
             kc = {kk: v[s : s + c] for kk, v in k.items()}
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                 loss = loss_fn(model(qc), model(kc)) * (qc["input_ids"].shape[0] / b)
-            loss.backward()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
             total += loss.detach().float()
         if d.world > 1:
             dist.all_reduce(total)
@@ -540,7 +542,7 @@ def train(
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         start = int(state["step"])
-        set_rng_state(rng)
+        set_rng_state(rng, device)
         if d.rank == 0:
             log_file.truncate_after(start)
         say(f"resumed from {ckpt} at step {start}/{total}")
@@ -555,7 +557,7 @@ def train(
     # the accumulation baseline's micro-batch is this process's --chunk-size rows (negatives from
     # them alone, whatever the process count; gradients and the logged loss averaged over ranks)
     loss_fn = make_loss_fn(cfg, model, Dist() if cfg.accumulate else d, local_b)
-    step_fn = (make_accumulated_step(cfg, model, loss_fn, device, d) if cfg.accumulate
+    step_fn = (make_accumulated_step(cfg, model, loss_fn, device, d, scaler) if cfg.accumulate
                else make_cached_step(cfg, model, loss_fn, scaler))
     how = (f"gradient accumulation over micro-batches of {cfg.chunk_size}" if cfg.accumulate else
            f"GradCache chunks of {cfg.chunk_size}" if cfg.chunk_size else f"GradCache, memory budget {cfg.memory_budget}")
@@ -595,14 +597,14 @@ def train(
 
         bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
     step = start
-    step_rng = rng_state()
+    step_rng = rng_state(device)
     t_run = time.perf_counter()
     stop = AgreedStop(d.world, device).install()
     try:
         while step < total and (stop_after is None or step < stop_after):
             if stop.requested():  # several processes: all stop at this boundary (interrupt.py)
                 raise KeyboardInterrupt
-            step_rng = rng_state()  # what a checkpoint taken at this step boundary restores
+            step_rng = rng_state(device)  # what a checkpoint taken at this step boundary restores
             t0 = time.perf_counter()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -627,7 +629,7 @@ def train(
                 else:
                     opt.step()
                 step += 1
-                step_rng = rng_state()  # evaluation and saving draw no random numbers
+                step_rng = rng_state(device)  # evaluation and saving draw no random numbers
                 dt = time.perf_counter() - t0
                 rec = {"step": step, "epoch": step / per_epoch, "loss": float(loss), "lr": lr,
                        "scale": float(model.scale().detach()), "examples_per_s": cfg.batch_size / dt,
