@@ -753,3 +753,26 @@ def test_the_cuda_stream_saved_is_the_training_devices_and_goes_to_the_resuming_
     checkpoint.set_rng_state(dict(old, cuda=[torch.tensor([30])]), torch.device("cuda", 1))
     assert torch.equal(gens[1], torch.tensor([30]))
     checkpoint.set_rng_state(state, torch.device("cpu"))  # a CPU run touches no CUDA generator
+
+
+def test_a_callers_group_without_torchrun_keeps_the_gpu_it_made_current(monkeypatch):
+    """torch.multiprocessing.spawn sets no LOCAL_RANK: every rank of a caller's NCCL group went to
+    cuda:0 (NCCL: duplicate GPU, or a hang; a review's finding). Simulated: rank 1 with cuda:1 current."""
+    import torch.distributed as dist
+
+    from bigbatch.train import loop
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(torch.device(d)))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    for arg in ("auto", "cuda"):
+        chosen.clear()
+        _, device = loop.setup_distributed(arg)
+        assert device == torch.device("cuda", 1) and chosen == [device], (arg, device)

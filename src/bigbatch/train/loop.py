@@ -174,9 +174,16 @@ class Dist:
 def setup_distributed(device_arg: str) -> tuple:
     """``(Dist, device)``: the caller's process group if one is initialised, else joins the
     torchrun group when ``WORLD_SIZE`` > 1, else a single process. ``"auto"`` is the local GPU
-    (CPU without CUDA, or under a caller's gloo group)."""
+    (CPU without CUDA, or under a caller's gloo group): ``LOCAL_RANK``'s GPU under torchrun, else
+    the GPU a caller that initialised the group made current."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if "LOCAL_RANK" in os.environ:
+        local = int(os.environ["LOCAL_RANK"])
+    elif dist.is_initialized() and torch.cuda.is_available():
+        # a caller's group without torchrun (torch.multiprocessing.spawn): the GPU it made current
+        local = torch.cuda.current_device()
+    else:
+        local = 0
     if device_arg == "auto":
         # a caller's gloo group moves only CPU tensors through the ring: auto follows the group
         gloo_group = dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "gloo"
