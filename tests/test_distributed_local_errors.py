@@ -347,13 +347,33 @@ def test_direct_ring_api_without_a_group_names_the_single_process_loss(name, loc
         getattr(bd, name)(*args, group=None)
 
 
+def _error_exchange_devices(rank: int, world: int):
+    """The devices the error path's object gathers were made current on (recorded)."""
+    from bigbatch.distributed import ring
+
+    seen, original = [], ring._current
+
+    def recording(device):
+        seen.append(str(device))
+        return original(device)
+
+    ring._current = recording
+    k = torch.randn(5, 4 if rank == 0 else 3)  # rank 1: another feature width
+    try:
+        bigbatch.clip_loss(torch.randn(5, 4), k, 3.0, group=dist.group.WORLD)
+    except ValueError:
+        pass
+    return seen
+
+
 def test_error_exchanges_run_on_the_features_device(monkeypatch):
     """torch packs an object all_gather on the current CUDA device and NCCL keys communicators by
     device: a rank whose features are on cuda:1 in a process whose current device is cuda:0 must
     exchange its error there, not on cuda:0 (a hang; a review's finding). Simulated: which device
-    ``_current`` makes current."""
+    ``_current`` makes current, and that the error path goes through it (gloo: the CPU)."""
     from bigbatch.distributed import ring
 
+    assert run_gloo(_error_exchange_devices, 2, timeout=120.0) == [["cpu"], ["cpu"]]
     entered = []
 
     class FakeDevice:

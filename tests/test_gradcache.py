@@ -418,31 +418,34 @@ def test_offload_inputs_and_reps_exact():
 
 def test_offloaded_representations_leave_the_device_before_the_re_runs():
     """With offload_reps the plan counts neither the representations nor their gradients on the
-    device: the re-runs must not find them there (before: the B x D leaves and their .grad stayed
-    referenced through pass 2, and the loss's graph held them too; a review's finding -- the
-    offloaded H200 step peaked 0.1 GiB above the plain one)."""
+    device: no tensor may hold the representations' storage during the re-runs (before: the B x D
+    leaves, the loss's graph and a loop variable kept them; reviews' findings -- the offloaded H200
+    step peaked 0.1 GiB above the plain one)."""
     import gc
-    import weakref
 
     models = make_models(2)
     x, y = make_input("tensor", 10, 1), make_input("tensor", 10, 2)
-    seen, alive = [], []
+    storages, alive = [], []
 
     def loss_fn(a, b):  # the loss gets clones of the cached leaves: their AccumulateGrad holds the leaf
-        seen.extend(weakref.ref(t.grad_fn.next_functions[0][0].variable) for t in (a, b))
+        storages.extend(t.grad_fn.next_functions[0][0].variable.untyped_storage().data_ptr() for t in (a, b))
         return clip()(a, b)
 
+    def holders():
+        gc.collect()
+        found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and not o.is_meta]
+        return [sum(t.untyped_storage().data_ptr() == p for t in found) for p in storages]
+
     def in_pass_two(module, args):
-        if seen:
-            gc.collect()
-            alive.append(sum(r() is not None for r in seen))
+        if storages:
+            alive.append(holders())
 
     hooks = [m.register_forward_pre_hook(in_pass_two) for m in models]
     GradCache(models, chunk_sizes=3, loss_fn=loss_fn, offload_reps=True)(x, y)
-    assert alive and max(alive) == 0, alive
-    seen.clear(), alive.clear()
+    assert alive and all(n == [0, 0] for n in alive), alive
+    storages.clear(), alive.clear()
     GradCache(models, chunk_sizes=3, loss_fn=loss_fn)(x, y)  # without offloading they stay (the plan counts them)
-    assert alive and min(alive) == 2, alive
+    assert alive and all(min(n) >= 1 for n in alive), alive
     for h in hooks:
         h.remove()
 

@@ -776,3 +776,9 @@ def test_a_callers_group_without_torchrun_keeps_the_gpu_it_made_current(monkeypa
         chosen.clear()
         _, device = loop.setup_distributed(arg)
         assert device == torch.device("cuda", 1) and chosen == [device], (arg, device)
+
+    def no_cuda_context():
+        raise AssertionError("a CPU run must not start a CUDA context")
+
+    monkeypatch.setattr(torch.cuda, "current_device", no_cuda_context)
+    assert loop.setup_distributed("cpu")[1] == torch.device("cpu")

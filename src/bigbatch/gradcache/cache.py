@@ -366,10 +366,10 @@ class GradCache:
             trainable = [t or any(u.rerun for u in units if u.input_index == i) for i, t in enumerate(trainable)]
             self.last_chunk_rows = [[u.rows for u in units if u.input_index == i] for i in range(len(inputs))]
             self.last_kept_rows = [sum(u.rows for u in units if u.keep and u.input_index == i) for i in range(len(inputs))]
-            for i, (r, t) in enumerate(zip(reps, trainable)):
-                if t and not differentiable(r):
+            for i, t in enumerate(trainable):  # (no loop variable left holding a representation)
+                if t and not differentiable(reps[i]):
                     raise TypeError(f"get_rep_fn must return a floating or complex tensor (input {i}'s representation "
-                                    f"is {r.dtype})")
+                                    f"is {reps[i].dtype})")
             leaves = [r.detach().requires_grad_(t) for r, t in zip(reps, trainable)]
             device = leaves[0].device
             amp = torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast_dtype else _null()

@@ -177,17 +177,18 @@ def setup_distributed(device_arg: str) -> tuple:
     (CPU without CUDA, or under a caller's gloo group): ``LOCAL_RANK``'s GPU under torchrun, else
     the GPU a caller that initialised the group made current."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if "LOCAL_RANK" in os.environ:
-        local = int(os.environ["LOCAL_RANK"])
-    elif dist.is_initialized() and torch.cuda.is_available():
-        # a caller's group without torchrun (torch.multiprocessing.spawn): the GPU it made current
-        local = torch.cuda.current_device()
-    else:
-        local = 0
+
+    def local_gpu() -> torch.device:
+        if "LOCAL_RANK" in os.environ:
+            return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        if dist.is_initialized():  # a caller's group without torchrun (mp.spawn): the GPU it made current
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", 0)
+
     if device_arg == "auto":
         # a caller's gloo group moves only CPU tensors through the ring: auto follows the group
         gloo_group = dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "gloo"
-        device = torch.device(f"cuda:{local}" if torch.cuda.is_available() and not gloo_group else "cpu")
+        device = local_gpu() if torch.cuda.is_available() and not gloo_group else torch.device("cpu")
     else:
         try:
             device = torch.device(device_arg)
@@ -198,7 +199,7 @@ def setup_distributed(device_arg: str) -> tuple:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"--device {device_arg}: CUDA is not available")
         if device.type == "cuda" and device.index is None:
-            device = torch.device(f"cuda:{local}")
+            device = local_gpu()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
