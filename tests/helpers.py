@@ -42,3 +42,26 @@ def features(b: int, d: int, *, dtype=torch.float32, device="cpu", seed: int = 0
     if normalize:
         x = x / x.norm(dim=1, keepdim=True)
     return x.to(device=device, dtype=dtype).requires_grad_(True)
+
+
+class CudaDeviceRecorder:
+    """Stands in for ``torch.cuda.device`` on a machine without CUDA (monkeypatch it in):
+    ``entered`` lists every device made current, ``current`` those current now (a stack)."""
+
+    def __init__(self) -> None:
+        self.entered: list = []
+        self.current: list = []
+
+    def __call__(self, device):
+        recorder = self
+
+        class Current:
+            def __enter__(self):
+                recorder.entered.append(device)
+                recorder.current.append(device)
+
+            def __exit__(self, *exc):
+                recorder.current.pop()
+                return False
+
+        return Current()

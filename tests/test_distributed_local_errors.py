@@ -351,13 +351,13 @@ def _error_exchange_devices(rank: int, world: int):
     """The devices the error path's object gathers were made current on (recorded)."""
     from bigbatch.distributed import ring
 
-    seen, original = [], ring._current
+    seen, original = [], ring.cuda_device_current
 
     def recording(device):
         seen.append(str(device))
         return original(device)
 
-    ring._current = recording
+    ring.cuda_device_current = recording
     k = torch.randn(5, 4 if rank == 0 else 3)  # rank 1: another feature width
     try:
         bigbatch.clip_loss(torch.randn(5, 4), k, 3.0, group=dist.group.WORLD)
@@ -370,25 +370,16 @@ def test_error_exchanges_run_on_the_features_device(monkeypatch):
     """torch packs an object all_gather on the current CUDA device and NCCL keys communicators by
     device: a rank whose features are on cuda:1 in a process whose current device is cuda:0 must
     exchange its error there, not on cuda:0 (a hang; a review's finding). Simulated: which device
-    ``_current`` makes current, and that the error path goes through it (gloo: the CPU)."""
-    from bigbatch.distributed import ring
+    ``cuda_device_current`` makes current, and that the error path goes through it (gloo: the CPU)."""
+    from bigbatch.backends.base import cuda_device_current
+
+    from helpers import CudaDeviceRecorder
 
     assert run_gloo(_error_exchange_devices, 2, timeout=120.0) == [["cpu"], ["cpu"]]
-    entered = []
-
-    class FakeDevice:
-        def __init__(self, device):
-            self.device = device
-
-        def __enter__(self):
-            entered.append(self.device)
-
-        def __exit__(self, *exc):
-            return False
-
-    monkeypatch.setattr(torch.cuda, "device", FakeDevice)
-    with ring._current(torch.device("cuda", 1)):
+    devices = CudaDeviceRecorder()
+    monkeypatch.setattr(torch.cuda, "device", devices)
+    with cuda_device_current(torch.device("cuda", 1)):
         pass
-    with ring._current(torch.device("cpu")):
+    with cuda_device_current(torch.device("cpu")):
         pass
-    assert entered == [torch.device("cuda", 1)]
+    assert devices.entered == [torch.device("cuda", 1)]

@@ -584,28 +584,19 @@ def test_kernels_launch_with_the_inputs_device_current(monkeypatch):
     from bigbatch.backends.triton_sigmoid import TritonSigmoid
     from bigbatch.backends.triton_softmax import TritonTiles
 
-    current = []
+    from helpers import CudaDeviceRecorder
 
-    class FakeDevice:
-        def __init__(self, device):
-            self.device = device
-
-        def __enter__(self):
-            current.append(self.device)
-
-        def __exit__(self, *exc):
-            current.pop()
-
-    monkeypatch.setattr(torch.cuda, "device", FakeDevice)
+    devices = CudaDeviceRecorder()
+    monkeypatch.setattr(torch.cuda, "device", devices)
     seen = []
 
     @on_inputs_device
     def launch(self, q, k):
-        seen.append(list(current))
+        seen.append(list(devices.current))
 
     launch(None, types.SimpleNamespace(device=torch.device("cuda", 1)), None)
     launch(None, torch.zeros(1), None)  # a CPU tensor (the interpreter): nothing to switch
-    assert seen == [[torch.device("cuda", 1)], []] and current == []
+    assert seen == [[torch.device("cuda", 1)], []] and devices.current == []
     for method in (TritonTiles.lse, TritonTiles.lse_grad, TritonSigmoid.sigmoid_pass):
         assert getattr(method, "__wrapped__", None) is not None, method
 

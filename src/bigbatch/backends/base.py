@@ -31,13 +31,21 @@ Conventions shared by all backends:
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable, Optional, Protocol, Tuple, TypeVar, runtime_checkable
+from typing import Any, Callable, ContextManager, Optional, Protocol, Tuple, TypeVar, runtime_checkable
 
 import torch
 from torch import Tensor
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def cuda_device_current(device: torch.device) -> ContextManager[Any]:
+    """``device`` made the current CUDA device for the block (nothing for a CPU device). Triton
+    launches kernels, and torch packs an object collective's bytes, on the *current* device: work
+    for tensors on another GPU must run under this."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def on_inputs_device(method: F) -> F:
@@ -49,9 +57,7 @@ def on_inputs_device(method: F) -> F:
 
     @functools.wraps(method)
     def run(self: Any, q: Tensor, *args: Any, **kwargs: Any) -> Any:
-        if q.device.type != "cuda":
-            return method(self, q, *args, **kwargs)
-        with torch.cuda.device(q.device):
+        with cuda_device_current(q.device):
             return method(self, q, *args, **kwargs)
 
     return run  # type: ignore[return-value]

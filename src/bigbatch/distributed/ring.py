@@ -27,15 +27,16 @@ rank is O(largest shard), never O(global batch x D).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from ..backends.base import cuda_device_current
 
 __all__ = ["Pending", "Ring", "agree", "device_code", "dtype_code", "exchange_device", "global_value", "offsets"]
 
@@ -214,13 +215,6 @@ def _on(device: Optional[torch.device], kind: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
 
 
-def _current(device: torch.device) -> Any:
-    """``device`` made the current CUDA device: torch packs an object collective's bytes on the
-    current device, and NCCL keys its communicators by device, so a rank whose features are on
-    cuda:1 in a process whose current device is cuda:0 would meet the others elsewhere (a hang)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
 def _group_problem(backend: str, device: torch.device, p2p: bool) -> Optional[str]:
     """A transport that cannot carry features on ``device``, reported as this rank's invalid input
     (raised on every rank) instead of failing inside the transport: gloo's send/recv (the ring,
@@ -293,7 +287,7 @@ def agree(
         rows = torch.stack(parts).cpu().tolist()
     if any(row[0] != rows[0][0] for row in rows):
         calls = [None] * ring.world
-        with _current(device):
+        with cuda_device_current(device):  # an object collective packs on the current device
             dist.all_gather_object(calls, what, group=ring.group)
         raise ValueError("the ranks of the group called different collectives (every rank must make the same "
                          "call, in the same order): " + "; ".join(f"rank {r}: {c}" for r, c in enumerate(calls)))
@@ -304,7 +298,7 @@ def agree(
             messages = [local_error]
         else:
             messages = [None] * ring.world
-            with _current(device):
+            with cuda_device_current(device):  # an object collective packs on the current device
                 dist.all_gather_object(messages, local_error, group=ring.group)
         detail = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
         raise ValueError(f"{what}: invalid input on group rank(s) {failed}: {detail}")
