@@ -13,6 +13,7 @@ from torch import nn
 import bigbatch
 from bigbatch.gradcache import GradCache, cached, cached_encode
 from bigbatch.gradcache.buffers import buffers_restored
+from bigbatch.gradcache.hooks import registrations_seen
 from bigbatch.gradcache.chunking import split_batch, split_rows
 
 from test_gradcache import check_grads, grads, zero
@@ -573,6 +574,29 @@ def test_a_buffer_aliasing_the_input_never_writes_into_it(api):
 def test_a_buffer_registered_by_the_first_forward(api):
     m, ref = against_reference(CountsFromFirstCall, api, 7, "registered in forward")
     assert torch.equal(m.step, ref.step)
+
+
+def test_registrations_seen_flags_buffers_and_submodules_only():
+    """After each chunk's forward, the walk for newly registered buffers runs only when this flag
+    is set: every way a buffer or a submodule (which may carry buffers) gets registered sets it."""
+    m = nn.Linear(2, 2)
+    spare = nn.BatchNorm1d(2)  # built outside the block: its buffers' registration was before
+    cases = [
+        (lambda: m.register_buffer("a", torch.zeros(1)), True),
+        (lambda: setattr(m, "a", torch.ones(1)), True),  # re-assigning a registered buffer
+        (lambda: m.add_module("bn", spare), True),
+        (lambda: setattr(m, "bn2", spare), True),
+        (lambda: m(torch.ones(1, 2)), False),
+        (lambda: setattr(m, "plain", torch.ones(1)), False),  # a plain attribute, not a buffer
+    ]
+    for act, expected in cases:
+        with registrations_seen() as seen:
+            act()
+        assert seen[0] is expected
+    with registrations_seen() as seen:
+        pass
+    m.register_buffer("b", torch.zeros(1))  # after the block: its hooks are gone
+    assert seen[0] is False
 
 
 @pytest.mark.parametrize("api", ["gradcache", "cached_encode", "functional"])

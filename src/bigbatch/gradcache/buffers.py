@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
-from .hooks import forward_pre_hooks
+from .hooks import forward_pre_hooks, registrations_seen
 from .wrappers import ddp_modules, is_ddp
 
 
@@ -196,6 +196,16 @@ class BufferStates:
         self._just_taken: set = set()  # the slots whose initial values this forward's record took
         self.changing: Dict[int, None] = {}  # slot indices, in the order they were seen changing
         self._marks: List[Tuple[Any, int]] = []
+        # per tuple of models: the modules wrapped by DDP modules nested inside them, found once (a
+        # walk over every submodule, ~0.25 ms for a BERT: per chunk it would cost a host-bound step)
+        self._nested: Dict[Tuple[int, ...], Dict[int, nn.Module]] = {}
+
+    def nested_ddp_modules(self, models: Sequence[nn.Module]) -> Dict[int, nn.Module]:
+        """id -> module wrapped by a DDP module *inside* one of ``models`` (not a model itself)."""
+        key = tuple(map(id, models))
+        if key not in self._nested:
+            self._nested[key] = {id(d.module): d.module for m in models for d in ddp_modules(m) if d is not m}
+        return self._nested[key]
 
     def _mark(self) -> List[Tuple[Any, int]]:
         # the tensor itself (not its id, which a new tensor may reuse) and its version
@@ -237,9 +247,11 @@ class BufferStates:
         buffers = range(len(self.slots)) if self.record_all else self.changing
         return [i for i in buffers if i not in params] + self.always
 
-    def after(self, record: Optional[Dict[int, Any]] = None, models: Sequence[nn.Module] = ()) -> None:
+    def after(self, record: Optional[Dict[int, Any]] = None, models: Sequence[nn.Module] = (),
+              registered: bool = True) -> None:
         """Close the forward of ``models`` whose record is ``record`` (the first one also fixes
-        ``initial``)."""
+        ``initial``). ``registered``: whether a buffer or module may have been registered since the
+        last look (``False`` skips the walk for new buffer slots)."""
         for i in self._to_take(models):  # no in-forward record was taken: the provisional one's
             self.initial[i] = record.get(i, ABSENT) if record else ABSENT
         self._just_taken = set()
@@ -251,6 +263,9 @@ class BufferStates:
             if (now is not was or v_now != v_was) and i not in self.changing:
                 self.changing[i] = None  # its value before this and every earlier chunk: ``initial``
         self._watch(models)
+        if not registered:
+            self._marks = []
+            return
         known = {(id(m), store, n) for m, store, n in self.slots}
         for slot in _buffer_slots(self.modules):  # registered by this forward: absent before it
             if (id(slot[0]), slot[1], slot[2]) not in known:
@@ -325,14 +340,15 @@ class BufferStates:
 
 
 @contextlib.contextmanager
-def _at_forward_start(models: Sequence[nn.Module], fn: Callable[[], None],
-                      inner: Callable[[nn.Module], None]) -> Iterator[None]:
+def _at_forward_start(models: Sequence[nn.Module], fn: Callable[[], None], inner: Callable[[nn.Module], None],
+                      nested: Dict[int, nn.Module]) -> Iterator[None]:
     """Within the block, call ``fn`` once where the first of ``models`` starts its own forward (a
     forward pre-hook; on the module a DDP model wraps, so after its buffer broadcast, which runs in
     the first forward after a synced backward), and ``inner(module)`` where the module of a DDP
     *inside* a model starts (a per-input wrapper around a DDP model, a DDP head after an encoder):
     its broadcast happens there, after the model's start, and only its own buffers change (taking
-    everything there instead let modules run before it record state they had already updated)."""
+    everything there instead let modules run before it record state they had already updated).
+    ``nested``: those inner DDP modules' wrapped modules (``BufferStates.nested_ddp_modules``)."""
     done = [False]
 
     def hook(mod: nn.Module, args: Any) -> None:
@@ -342,7 +358,6 @@ def _at_forward_start(models: Sequence[nn.Module], fn: Callable[[], None],
 
     # a TorchScript module takes no hooks: its record is the one taken just before its forward
     targets = [m.module if is_ddp(m) else m for m in models]
-    nested = {id(d.module): d.module for m in models for d in ddp_modules(m) if d is not m}
     hooks = [(m, hook, True) for m in targets if not isinstance(m, torch.jit.ScriptModule)]
     hooks += [(sub, lambda mod, args: inner(mod), True) for sub in nested.values()]
     with forward_pre_hooks(hooks):
@@ -355,11 +370,12 @@ def recording(states: BufferStates, models: Sequence[nn.Module]) -> Iterator[Dic
     and taken again where the forward starts (what it reads); closed after the block."""
     box: Dict[str, Any] = {"record": states.before(provisional=True, models=models)}
     with _at_forward_start(models, lambda: box.update(record=states.before(models=models)),
-                           lambda sub: states.retake(box["record"], sub)):
+                           lambda sub: states.retake(box["record"], sub), states.nested_ddp_modules(models)), \
+            registrations_seen() as seen:
         try:
             yield box
         finally:
-            states.after(box["record"], models)
+            states.after(box["record"], models, registered=seen[0])
 
 
 @contextlib.contextmanager
@@ -368,7 +384,8 @@ def restoring(states: BufferStates, record: Dict[int, Any], models: Sequence[nn.
     runs no hooks) and again where its forward starts (a DDP broadcast there would otherwise
     replace this rank's record with rank 0's). Both copy only the recorded buffers."""
     states.restore(record)
-    with _at_forward_start(models, lambda: states.restore(record), lambda sub: states.restore(record, within=sub)):
+    with _at_forward_start(models, lambda: states.restore(record), lambda sub: states.restore(record, within=sub),
+                           states.nested_ddp_modules(models)):
         yield
 
 
