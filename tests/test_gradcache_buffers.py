@@ -13,7 +13,6 @@ from torch import nn
 import bigbatch
 from bigbatch.gradcache import GradCache, cached, cached_encode
 from bigbatch.gradcache.buffers import buffers_restored
-from bigbatch.gradcache.hooks import registrations_seen
 from bigbatch.gradcache.chunking import split_batch, split_rows
 
 from test_gradcache import check_grads, grads, zero
@@ -576,27 +575,122 @@ def test_a_buffer_registered_by_the_first_forward(api):
     assert torch.equal(m.step, ref.step)
 
 
-def test_registrations_seen_flags_buffers_and_submodules_only():
-    """After each chunk's forward, the walk for newly registered buffers runs only when this flag
-    is set: every way a buffer or a submodule (which may carry buffers) gets registered sets it."""
-    m = nn.Linear(2, 2)
-    spare = nn.BatchNorm1d(2)  # built outside the block: its buffers' registration was before
-    cases = [
-        (lambda: m.register_buffer("a", torch.zeros(1)), True),
-        (lambda: setattr(m, "a", torch.ones(1)), True),  # re-assigning a registered buffer
-        (lambda: m.add_module("bn", spare), True),
-        (lambda: setattr(m, "bn2", spare), True),
-        (lambda: m(torch.ones(1, 2)), False),
-        (lambda: setattr(m, "plain", torch.ones(1)), False),  # a plain attribute, not a buffer
-    ]
-    for act, expected in cases:
-        with registrations_seen() as seen:
-            act()
-        assert seen[0] is expected
-    with registrations_seen() as seen:
-        pass
-    m.register_buffer("b", torch.zeros(1))  # after the block: its hooks are gone
-    assert seen[0] is False
+class RunningShift(nn.Module):
+    """A buffer read and updated by every forward (a running mean it subtracts)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(d, dtype=F64))
+
+    def forward(self, h):
+        self.mean.mul_(0.5).add_(h.detach().mean(0))
+        return h - self.mean
+
+
+class AttachesOnFirstUse(nn.Module):
+    """Attaches a stateful submodule in its first forward: built there (``setattr``), or built
+    before and attached with ``add_module`` / ``ModuleList.append`` / ``ModuleList.insert``, or a
+    buffer written straight into ``_buffers``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.lin, self.list = how, nn.Linear(5, 6), nn.ModuleList()
+        self.norm = None
+        self.__dict__["spare"] = RunningShift(6)  # not registered until attached
+
+    def forward(self, v):
+        h = self.lin(v)
+        if self.how == "_buffers":
+            if "count" not in self._buffers:
+                self._buffers["count"] = torch.zeros((), dtype=v.dtype)  # no registration hook runs
+            self.count.add_(1)
+            return h * self.count.clone()
+        if self.how in ("append", "insert"):
+            if not len(self.list):
+                getattr(self.list, self.how)(*([0] if self.how == "insert" else []), self.spare)
+            return self.list[0](h)
+        if self.how == "add_module":
+            if "shift" not in self._modules:
+                self.add_module("shift", self.spare)
+            return self.shift(h)
+        if self.norm is None:
+            self.norm = RunningShift(h.shape[1])  # built here, on first use
+        return self.norm(h)
+
+
+@pytest.mark.parametrize("how", ["setattr", "add_module", "append", "_buffers"])
+@pytest.mark.parametrize("api", ["gradcache", "gradcache_nokeep", "cached_encode", "functional"])
+def test_a_submodule_attached_by_the_first_forward(how, api):
+    """The attached module's buffers start every re-run from what its first forward saw: their value
+    when attached (an AttributeError from the re-run before session 17's fix: they were taken for
+    registered by that forward and removed before the re-runs)."""
+    m, ref = against_reference(lambda: AttachesOnFirstUse(how), api, 11, f"attached by {how}")
+    assert [torch.equal(a, b) for a, b in zip(m.buffers(), ref.buffers())] == [True] * len(list(ref.buffers()))
+
+
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
+def test_a_submodule_attached_without_registration_hooks_is_a_clear_error(api):
+    """``ModuleList.insert`` writes ``_modules`` directly: no hook sees the module come, so its
+    buffers' values before that forward are unknown -- an error naming the ways that work."""
+    x, y = data(8, 12)
+    with pytest.raises(RuntimeError, match="without PyTorch's module-registration hooks.*setattr / add_module / append"):
+        step_with(api, AttachesOnFirstUse("insert").to(F64), x, y, 4)
+
+
+class StartsAScaleAfterWarmUp(nn.Module):
+    """Registers a running scale in its fourth forward (a warm-up over: in 4-row chunks of 12 rows,
+    the second input's first chunk), then reads and updates it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 6)
+        self.register_buffer("calls", torch.zeros((), dtype=F64))
+
+    def forward(self, v):
+        self.calls.add_(1)
+        h = self.lin(v)
+        if self.calls.item() == 4 and not hasattr(self, "late"):
+            self.register_buffer("late", torch.ones(6, dtype=F64))
+        if hasattr(self, "late"):
+            out = h * self.late.clone()
+            self.late.mul_(0.5).add_(0.5 * h.detach().abs().mean(0))
+            return out
+        return h
+
+
+@pytest.mark.parametrize("api", ["gradcache", "gradcache_nokeep", "cached_encode", "functional"])
+def test_a_buffer_registered_by_a_later_call_is_absent_from_earlier_re_runs(api):
+    """With cached_encode / cached, a later call of the step (here the second input's, or the third
+    sub-batch) registers the buffer: the earlier calls' re-runs must not find it (0.16-0.2 off the
+    plain loop before session 17: each call tracks only what it saw registered itself)."""
+    m, ref = against_reference(StartsAScaleAfterWarmUp, api, 13, "registered by a later call")
+    assert torch.equal(m.late, ref.late) and torch.equal(m.calls, ref.calls)
+
+
+class AttachesAfterWarmUp(nn.Module):
+    """Attaches a stateful submodule in its third forward: earlier chunks ran without it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 6)
+        self.register_buffer("calls", torch.zeros((), dtype=F64))
+        self.shift = None
+
+    def forward(self, v):
+        self.calls.add_(1)
+        h = self.lin(v)
+        if self.calls.item() == 3 and self.shift is None:
+            self.shift = RunningShift(6)
+        return h if self.shift is None else self.shift(h)
+
+
+@pytest.mark.parametrize("api", ["gradcache", "gradcache_nokeep", "cached_encode", "functional"])
+def test_a_submodule_attached_after_earlier_chunks_ran_is_a_clear_error(api):
+    """The earlier chunks' re-runs would run through the new module (silently wrong gradients in a
+    draft of the fix that kept the module's buffers): refused, naming the remedy."""
+    x, y = data(12, 14)
+    with pytest.raises(RuntimeError, match="Build such modules before the step, or in the model's first forward"):
+        step_with(api, AttachesAfterWarmUp().to(F64), x, y, 4)
 
 
 @pytest.mark.parametrize("api", ["gradcache", "cached_encode", "functional"])

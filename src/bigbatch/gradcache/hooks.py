@@ -4,10 +4,9 @@ error); leaf tensors' gradient hooks and ``.grad`` set aside for a block."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator, List, Tuple
+from typing import Any, Callable, Iterable, Iterator, Tuple
 
 from torch import Tensor, nn
-from torch.nn.modules import module as _module
 
 
 @contextlib.contextmanager
@@ -19,26 +18,6 @@ def forward_pre_hooks(hooks: Iterable[Tuple[nn.Module, Callable[[nn.Module, Any]
         for module, hook, prepend in hooks:
             handles.append(module.register_forward_pre_hook(hook, prepend=prepend))
         yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
-@contextlib.contextmanager
-def registrations_seen() -> Iterator[List[bool]]:
-    """Yields ``[flag]``, set once any module registers a buffer or a submodule during the body
-    (``register_buffer``, ``add_module``, an attribute assignment of either; PyTorch's process-wide
-    registration hooks, so a registration in another thread sets it too: a false alarm only costs a
-    walk over the modules). Writes into a module's ``_buffers`` / ``_modules`` dicts bypass them."""
-    seen = [False]
-
-    def hook(*args: Any) -> None:
-        seen[0] = True
-
-    handles = [_module.register_module_buffer_registration_hook(hook),
-               _module.register_module_module_registration_hook(hook)]
-    try:
-        yield seen
     finally:
         for h in handles:
             h.remove()
