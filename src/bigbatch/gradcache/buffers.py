@@ -30,8 +30,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
-from torch.nn.modules import module as _module_hooks
-
 from .hooks import forward_pre_hooks
 from .wrappers import ddp_modules, is_ddp
 
@@ -202,7 +200,6 @@ class BufferStates:
         # walk over every submodule, ~0.25 ms for a BERT: per chunk it would cost a host-bound step)
         self._nested: Dict[Tuple[int, ...], Dict[int, nn.Module]] = {}
         self._module_ids = {id(m) for m in _submodules(self.modules)}  # as of the last look (after())
-        self._runs: Dict[int, int] = {}  # model id -> its forwards closed so far (after())
 
     def nested_ddp_modules(self, models: Sequence[nn.Module]) -> Dict[int, nn.Module]:
         """id -> module wrapped by a DDP module *inside* one of ``models`` (not a model itself)."""
@@ -251,11 +248,9 @@ class BufferStates:
         buffers = range(len(self.slots)) if self.record_all else self.changing
         return [i for i in buffers if i not in params] + self.always
 
-    def after(self, record: Optional[Dict[int, Any]] = None, models: Sequence[nn.Module] = (),
-              attached: Optional["Attached"] = None) -> None:
+    def after(self, record: Optional[Dict[int, Any]] = None, models: Sequence[nn.Module] = ()) -> None:
         """Close the forward of ``models`` whose record is ``record`` (the first one also fixes
-        ``initial``). ``attached``: the buffers of submodules registered during it, as they were then
-        (:func:`attached_buffers`)."""
+        ``initial``)."""
         for i in self._to_take(models):  # no in-forward record was taken: the provisional one's
             self.initial[i] = record.get(i, ABSENT) if record else ABSENT
         self._just_taken = set()
@@ -267,38 +262,15 @@ class BufferStates:
             if (now is not was or v_now != v_was) and i not in self.changing:
                 self.changing[i] = None  # its value before this and every earlier chunk: ``initial``
         self._watch(models)
-        # a buffer that appeared during this forward: registered on a module the earlier chunks saw
-        # without it (absent before: a re-run of theirs must not find it), or brought by a submodule
-        # attached during it (built on first use): as it was when attached, which is what the forward
-        # that attached it and every earlier chunk's re-run (the module is attached now) read
         known = {(id(m), store, n) for m, store, n in self.slots}
         subs = _submodules(self.modules)
-        ran = [m for m in self.modules if self._runs.get(id(m), 0)]  # models with an earlier forward
-        for m in models:
-            self._runs[id(m)] = self._runs.get(id(m), 0) + 1
-        for mod in subs:
+        for mod in subs:  # registered by this forward: absent before it
             for name in list(mod._buffers.keys()):
-                if (id(mod), "_buffers", name) in known:
-                    continue
-                hooked = attached is not None and attached.modules.get(id(mod)) is mod
-                if not hooked and id(mod) not in self._module_ids:
-                    raise RuntimeError(
-                        f"gradient caching: a forward attached a {type(mod).__name__} holding buffer {name!r} without "
-                        "PyTorch's module-registration hooks (nn.ModuleList.insert, nn.Sequential.insert, a write "
-                        "into _modules), so the buffer's value before that forward is unknown and the chunks' "
-                        "re-runs could not start from it: attach the module with setattr / add_module / append, "
-                        "or before the step")
-                if hooked and any(mod in set(m.modules()) for m in ran):
-                    raise RuntimeError(
-                        f"gradient caching: a forward attached a {type(mod).__name__} holding buffer {name!r} to a model "
-                        "whose earlier chunks ran without it: their re-runs would run with it attached, another "
-                        "function than their first forwards. Build such modules before the step, or in the "
-                        "model's first forward of the step (e.g. one warm-up forward before training)")
-                snapshot = attached.buffers.get((id(mod), name), ABSENT) if hooked else ABSENT
-                self.slots.append((mod, "_buffers", name))
-                self.originals.append(_get(self.slots[-1]) if snapshot is not ABSENT else None)
-                self.initial.append(snapshot)
-                self.changing[len(self.slots) - 1] = None
+                if (id(mod), "_buffers", name) not in known:
+                    self.slots.append((mod, "_buffers", name))
+                    self.originals.append(None)
+                    self.initial.append(ABSENT)
+                    self.changing[len(self.slots) - 1] = None
         self._module_ids = {id(m) for m in subs}
         self._marks = []
 
@@ -357,21 +329,16 @@ class BufferStates:
     def set_aside_later(self) -> List[Tuple[nn.Module, str, Any]]:
         """Remove (and return, for :meth:`put_back`) the buffers registered on these modules since the
         last pass-1 forward seen here -- by a later ``cached_encode`` / ``cached`` call of the step on a
-        shared model: a re-run must not find what its first forward did not. A submodule attached
-        since then cannot be taken away: a clear error instead of a re-run through another model."""
+        shared model: a re-run must not find what its first forward did not. Modules attached since
+        then are left as they are (a new task's head: the re-run does not go through it)."""
         known = {(id(m), n) for m, store, n in self.slots if store == "_buffers"}
         later = []
         for mod in _submodules(self.modules):
+            if id(mod) not in self._module_ids:
+                continue
             for name in list(mod._buffers.keys()):
-                if (id(mod), name) in known:
-                    continue
-                if id(mod) not in self._module_ids:
-                    raise RuntimeError(
-                        f"gradient caching: a {type(mod).__name__} holding buffer {name!r} was attached to the model "
-                        "after this chunk's cached forward (by a later cached call of the step?): its re-run would "
-                        "run through it, another function than its first forward. Build such modules before the "
-                        "step, or in the model's first forward of the step")
-                later.append((mod, name, mod._buffers.pop(name)))
+                if (id(mod), name) not in known:
+                    later.append((mod, name, mod._buffers.pop(name)))
         return later
 
     @staticmethod
@@ -423,43 +390,11 @@ def recording(states: BufferStates, models: Sequence[nn.Module]) -> Iterator[Dic
     and taken again where the forward starts (what it reads); closed after the block."""
     box: Dict[str, Any] = {"record": states.before(provisional=True, models=models)}
     with _at_forward_start(models, lambda: box.update(record=states.before(models=models)),
-                           lambda sub: states.retake(box["record"], sub), states.nested_ddp_modules(models)), \
-            attached_buffers() as attached:
+                           lambda sub: states.retake(box["record"], sub), states.nested_ddp_modules(models)):
         try:
             yield box
         finally:
-            states.after(box["record"], models, attached)
-
-
-class Attached:
-    """The submodules registered during a block (:func:`attached_buffers`) and their buffers as
-    they were at that moment."""
-
-    def __init__(self) -> None:
-        self.modules: Dict[int, nn.Module] = {}
-        self.buffers: Dict[Tuple[int, str], Any] = {}
-
-
-@contextlib.contextmanager
-def attached_buffers() -> Iterator[Attached]:
-    """Within the block, record every submodule registered anywhere (assigned as an attribute,
-    ``add_module``, ``ModuleList.append``: PyTorch's process-wide module-registration hook) with
-    its own submodules, and a copy of their buffers at that moment. Writes straight into a
-    ``_modules`` dict (``ModuleList.insert``) run no hook. Memory: one copy of those buffers."""
-    seen = Attached()
-
-    def hook(parent: nn.Module, name: str, sub: Optional[nn.Module]) -> None:
-        if isinstance(sub, nn.Module):
-            for mod in sub.modules():
-                seen.modules.setdefault(id(mod), mod)
-                for key, buf in mod._buffers.items():
-                    seen.buffers.setdefault((id(mod), key), _copy(buf))
-
-    handle = _module_hooks.register_module_module_registration_hook(hook)
-    try:
-        yield seen
-    finally:
-        handle.remove()
+            states.after(box["record"], models)
 
 
 @contextlib.contextmanager
