@@ -622,7 +622,7 @@ class StartsAScaleAfterWarmUp(nn.Module):
 
 @pytest.mark.parametrize("api", ["gradcache", "gradcache_nokeep", "cached_encode", "functional"])
 def test_a_buffer_registered_by_a_later_call_is_absent_from_earlier_re_runs(api):
-    """With cached_encode / cached, a later call of the step (here the second input's, or the third
+    """With cached_encode / cached, a later call of the step (here the second input's, or the fourth
     sub-batch) registers the buffer: the earlier calls' re-runs must not find it (0.16-0.2 off the
     plain loop before session 17: each call tracks only what it saw registered itself)."""
     m, ref = against_reference(StartsAScaleAfterWarmUp, api, 13, "registered by a later call")

@@ -262,17 +262,20 @@ class BufferStates:
             if (now is not was or v_now != v_was) and i not in self.changing:
                 self.changing[i] = None  # its value before this and every earlier chunk: ``initial``
         self._watch(models)
-        known = {(id(m), store, n) for m, store, n in self.slots}
-        subs = _submodules(self.modules)
-        for mod in subs:  # registered by this forward: absent before it
-            for name in list(mod._buffers.keys()):
-                if (id(mod), "_buffers", name) not in known:
-                    self.slots.append((mod, "_buffers", name))
-                    self.originals.append(None)
-                    self.initial.append(ABSENT)
-                    self.changing[len(self.slots) - 1] = None
+        subs, unseen = self._unseen_buffers()
+        for mod, name in unseen:  # registered by this forward: absent before it
+            self.slots.append((mod, "_buffers", name))
+            self.originals.append(None)
+            self.initial.append(ABSENT)
+            self.changing[len(self.slots) - 1] = None
         self._module_ids = {id(m) for m in subs}
         self._marks = []
+
+    def _unseen_buffers(self) -> Tuple[List[nn.Module], List[Tuple[nn.Module, str]]]:
+        """Every submodule (one walk), and the ``(module, name)`` of each buffer without a slot yet."""
+        known = {(id(m), n) for m, store, n in self.slots if store == "_buffers"}
+        subs = _submodules(self.modules)
+        return subs, [(mod, name) for mod in subs for name in list(mod._buffers.keys()) if (id(mod), name) not in known]
 
     def _watch(self, models: Sequence[nn.Module]) -> None:
         """After a model's first chunk: which frozen parameters did its forward write, and -- when
@@ -331,15 +334,8 @@ class BufferStates:
         last pass-1 forward seen here -- by a later ``cached_encode`` / ``cached`` call of the step on a
         shared model: a re-run must not find what its first forward did not. Modules attached since
         then are left as they are (a new task's head: the re-run does not go through it)."""
-        known = {(id(m), n) for m, store, n in self.slots if store == "_buffers"}
-        later = []
-        for mod in _submodules(self.modules):
-            if id(mod) not in self._module_ids:
-                continue
-            for name in list(mod._buffers.keys()):
-                if (id(mod), name) not in known:
-                    later.append((mod, name, mod._buffers.pop(name)))
-        return later
+        _, unseen = self._unseen_buffers()
+        return [(mod, name, mod._buffers.pop(name)) for mod, name in unseen if id(mod) in self._module_ids]
 
     @staticmethod
     def put_back(later: List[Tuple[nn.Module, str, Any]]) -> None:
