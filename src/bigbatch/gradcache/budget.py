@@ -49,6 +49,7 @@ from .graph import graph_leaves
 from .head import identity_of
 from .hooks import leaf_grads_set_aside
 from .lazy import buffers_reset_after
+from .norms import fast_layer_norms, model_norms
 from .chunking import (batch_size, call_model, check_not_detached, map_tensors, model_device, split_batch,
                        tensor_leaves, to_device)
 from .rng import forked_rng, model_cuda_devices
@@ -412,13 +413,14 @@ def _measure(model, x, get_rep, autocast_ctx, params, device, by_grad: bool = Tr
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        with autocast_ctx(), torch.set_grad_enabled(train):
-            rep = _get_rep(get_rep, call_model(model, x), graph=train)
-        act = torch.cuda.memory_allocated(device) - base if train else 0
-        rep_bytes = _rep_bytes(rep)
-        if rep.requires_grad:
-            _backward(rep, params, by_grad)
-        del rep
+        with fast_layer_norms(model_norms(model)):  # as the step will run it (engine.py)
+            with autocast_ctx(), torch.set_grad_enabled(train):
+                rep = _get_rep(get_rep, call_model(model, x), graph=train)
+            act = torch.cuda.memory_allocated(device) - base if train else 0
+            rep_bytes = _rep_bytes(rep)
+            if rep.requires_grad:
+                _backward(rep, params, by_grad)
+            del rep
         torch.cuda.synchronize(device)
         return float(torch.cuda.max_memory_allocated(device) - base), float(act), rep_bytes
     if not train:  # CPU, frozen model: twice the bytes of its output, a rough guide

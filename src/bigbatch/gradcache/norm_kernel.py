@@ -1,0 +1,122 @@
+"""Triton kernel: LayerNorm's backward in one pass, weight and bias gradients included.
+
+PyTorch computes LayerNorm's weight / bias gradients with a kernel (``GammaBetaBackward``) that
+switches to a split-row reduction only above 64 x 1024 rows; on the ~32k-token chunks that
+gradient caching runs at a 16 GiB budget it runs at about a third of memory bandwidth (docs/gradcache.md,
+"Where the rest goes"). This kernel reads each row of ``x`` and ``dy`` once and writes ``dx``, while
+each program sums ``dy * x_hat`` and ``dy`` over its own block of rows into one fp32 row of a
+``(programs, N)`` partial buffer; :func:`layer_norm_backward` sums those rows (deterministic: no
+atomics). Bytes: read ``x`` and ``dy``, write ``dx`` -- the minimum for this op.
+
+Mean and 1/std are recomputed from ``x`` (it is in registers anyway) instead of saved by the
+forward, in fp32 whatever the input dtype; they differ from the forward's in the last bits only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# widest row handled: a row lives in registers (BLOCK_N fp32 values per row of the tile)
+MAX_N = 8192
+
+
+@triton.jit
+def layer_norm_bwd_kernel(
+    x_ptr, dy_ptr, w_ptr, dx_ptr, pdw_ptr, pdb_ptr,
+    M, N, rows_per_prog, eps, stride_x, stride_dy, stride_dx,
+    HAS_W: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Rows ``[pid * rows_per_prog, (pid + 1) * rows_per_prog)`` of ``x`` / ``dy`` (``M x N``, unit
+    column stride): ``dx`` of each, and this program's sums of ``dy * x_hat`` (``pdw[pid]``) and of
+    ``dy`` (``pdb[pid]``). ``rows_per_prog`` is a multiple of ``BLOCK_M``."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    acc_dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    first = pid * rows_per_prog
+    for i in range(0, rows_per_prog, BLOCK_M):
+        rows = first + i + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / N
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        var = tl.sum(xc * xc, axis=1) / N
+        rstd = 1.0 / tl.sqrt(var + eps)
+        xhat = xc * rstd[:, None]
+        if NEED_DX:
+            if HAS_W:
+                wdy = dy * w[None, :]
+            else:
+                wdy = dy
+            c1 = tl.sum(xhat * wdy, axis=1) / N
+            c2 = tl.sum(wdy, axis=1) / N
+            dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            tl.store(dx_ptr + rows64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if NEED_DW:
+            acc_dw += tl.sum(dy * xhat, axis=0)
+        if NEED_DB:
+            acc_db += tl.sum(dy, axis=0)
+    if NEED_DW:
+        tl.store(pdw_ptr + pid * N + cols, acc_dw, mask=cmask)
+    if NEED_DB:
+        tl.store(pdb_ptr + pid * N + cols, acc_db, mask=cmask)
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_plan(m: int, n: int, elem_bytes: int, sms: int) -> Tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_M, num_warps, programs, rows per program) for ``m x n`` rows of ``elem_bytes``
+    each: tiles of about 16 KiB of each operand (4k fp32 or 8k half values), ``4 * sms`` programs
+    at most, each over a run of whole tiles."""
+    block_n = triton.next_power_of_2(n)
+    block_m = max(1, min(16, (16384 // elem_bytes) // block_n))
+    warps = 4 if block_n <= 4096 else 8
+    programs = max(1, min(4 * sms, triton.cdiv(m, block_m)))
+    rows_per_prog = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
+    return block_n, block_m, warps, triton.cdiv(m, rows_per_prog), rows_per_prog
+
+
+@functools.lru_cache(maxsize=16)
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def layer_norm_backward(
+    x: Tensor, dy: Tensor, weight: Optional[Tensor], eps: float, need_dx: bool, need_dw: bool, need_db: bool,
+) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """Gradients of ``layer_norm(x, weight, bias, eps)`` over the last dimension of the 2-D ``x`` and
+    ``dy`` (``M x N``, N <= MAX_N): ``dx`` in ``x``'s dtype, ``dw`` / ``db`` (``(N,)``, fp32); each ``None``
+    unless asked for. Launches: the kernel, and one sum of the partial rows when ``dw`` or ``db`` is asked."""
+    m, n = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    dx = torch.empty((m, n), device=x.device, dtype=x.dtype) if need_dx else None
+    if m == 0:
+        zeros = torch.zeros(n, device=x.device, dtype=torch.float32)
+        return dx, (zeros if need_dw else None), (zeros.clone() if need_db else None)
+    block_n, block_m, warps, programs, rows_per_prog = _launch_plan(m, n, x.element_size(), _sms(x.device))
+    part = torch.empty((2, programs, n), device=x.device, dtype=torch.float32) if need_dw or need_db else x
+    layer_norm_bwd_kernel[(programs,)](
+        x, dy, x if weight is None else weight, x if dx is None else dx, part, part[1] if need_dw or need_db else x,
+        m, n, rows_per_prog, eps, x.stride(0), dy.stride(0), n,
+        HAS_W=weight is not None, NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+    )
+    if not (need_dw or need_db):
+        return dx, None, None
+    sums = part.sum(1)
+    return dx, (sums[0] if need_dw else None), (sums[1] if need_db else None)

@@ -1,0 +1,122 @@
+"""LayerNorm with a one-pass backward (``norm_kernel.py``) for the chunks gradient caching back-propagates.
+
+At a 16 GiB budget the BERT-base benchmark's chunks are ~32k tokens, where PyTorch's LayerNorm
+weight-gradient kernel runs far below memory bandwidth (docs/gradcache.md, "Where the rest goes").
+:func:`fast_layer_norms` swaps, for the duration of a ``with``, the ``forward`` of every plain
+``nn.LayerNorm`` of the given models (exact type, with a weight, on CUDA) for one that computes the
+same output with ``F.layer_norm`` -- bitwise the module's own forward, autocast included -- and
+differentiates it with :class:`LayerNormFunction`. Only the backward differs from PyTorch's: the same
+formula, other rounding (fp32 sums in another order, mean and 1/std recomputed in fp32).
+
+Saved for backward: ``x`` (in its own dtype) and the weight -- no more than PyTorch saves
+(``x`` or its autocast copy, mean, 1/std, weight, bias).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import types
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """``F.layer_norm(x, normalized_shape, weight, bias, eps)`` with the one-pass Triton backward.
+    ``normalized_shape`` may span several trailing dimensions; they are flattened into one row."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, normalized_shape: Tuple[int, ...], weight: Optional[Tensor],
+                bias: Optional[Tensor], eps: float) -> Tensor:
+        out = F.layer_norm(x, normalized_shape, weight, bias, eps)  # autocast, if on, applies here as outside
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        ctx.shape = tuple(normalized_shape)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: Tensor):
+        from .norm_kernel import layer_norm_backward
+
+        x, weight = ctx.saved_tensors
+        need_dx, _, need_dw, need_db, _ = ctx.needs_input_grad
+        n = math.prod(ctx.shape)
+        dx, dw, db = layer_norm_backward(
+            x.reshape(-1, n), dy.reshape(-1, n), None if weight is None else weight.reshape(n), ctx.eps,
+            need_dx, need_dw, need_db)  # (reshape: a copy only for a non-viewable layout)
+        if dx is not None:
+            dx = dx.view(x.shape)
+        if dw is not None:
+            dw = dw.view(ctx.shape).to(weight.dtype)
+        if db is not None:
+            db = db.view(ctx.shape).to(ctx.bias_dtype)
+        return dx, None, dw, db, None
+
+
+def on_kernel_device(t: Tensor) -> bool:
+    """Where the kernel runs: CUDA. (The tests widen this to the CPU, under Triton's interpreter.)"""
+    return t.is_cuda
+
+
+def kernel_applies(module: nn.Module, x: Tensor) -> bool:
+    """Whether a call of ``module`` (a plain ``nn.LayerNorm``) on ``x`` takes the kernel: a graph is
+    recorded, a weight or bias requires grad, and ``x`` is a CUDA tensor of a dtype and row width
+    the kernel takes (after autocast: fp16 / bf16 / fp32)."""
+    from .norm_kernel import MAX_N
+
+    w, b = module.weight, module.bias
+    return (torch.is_grad_enabled() and on_kernel_device(x) and x.dtype in _KERNEL_DTYPES
+            and (w is not None and w.requires_grad or b is not None and b.requires_grad)
+            and (w is None or w.dtype in _KERNEL_DTYPES) and (b is None or b.dtype in _KERNEL_DTYPES)
+            and math.prod(module.normalized_shape) <= MAX_N)
+
+
+def _forward(self: nn.LayerNorm, x: Tensor) -> Tensor:
+    """The swapped ``nn.LayerNorm.forward``: the same output, the kernel's backward where it applies."""
+    if kernel_applies(self, x):
+        return LayerNormFunction.apply(x, tuple(self.normalized_shape), self.weight, self.bias, self.eps)
+    return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+ENABLED = True  # module switch, for A/B measurements (experiments/); the library leaves it on
+
+
+def model_norms(model: nn.Module) -> List[nn.LayerNorm]:
+    """The modules of ``model`` that :func:`fast_layer_norms` is to swap: plain ``nn.LayerNorm``
+    (exact type: a subclass may override ``forward``; a parametrized one is a subclass) with a CUDA
+    weight, whose ``forward`` is not set on the instance already (accelerate's device hooks do).
+    None in a model with a ``torch.compile``'d part (the compiled graph has fused norms of its own)."""
+    from .engine import is_compiled
+
+    if not ENABLED or not isinstance(model, nn.Module):
+        return []
+    modules = list(model.modules())
+    if any(map(is_compiled, modules)):
+        return []
+    return [m for m in modules if type(m) is nn.LayerNorm and isinstance(m.weight, Tensor)
+            and on_kernel_device(m.weight) and "forward" not in m.__dict__]
+
+
+@contextlib.contextmanager
+def fast_layer_norms(norms: Sequence[nn.LayerNorm]) -> Iterator[None]:
+    """Within the ``with``, ``norms`` (from :func:`model_norms`) run the swapped ``forward``: around
+    every forward *and backward* of a chunk with a graph (activation checkpointing re-runs the
+    forward inside the backward, and must save what the first forward saved)."""
+    swapped = []
+    try:
+        for m in norms:
+            if "forward" not in m.__dict__:
+                m.forward = types.MethodType(_forward, m)
+                swapped.append(m)
+        yield
+    finally:
+        for m in swapped:
+            m.__dict__.pop("forward", None)

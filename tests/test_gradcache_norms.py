@@ -1,0 +1,294 @@
+"""The one-pass LayerNorm backward (``bigbatch.gradcache.norm_kernel``), its autograd Function
+(``norms.LayerNormFunction``), the module swap (``norms.fast_layer_norms``) and its use by the
+gradient-caching engine.
+
+On the CPU the kernel runs under Triton's interpreter (conftest sets TRITON_INTERPRET=1) and the
+swap, which the library makes for CUDA weights only, is widened to the CPU (``cpu_kernel``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from bigbatch.gradcache import GradCache, cached_encode, norm_kernel, norms
+
+from helpers import TRITON_DEVICE, assert_close, assert_rel
+
+F64 = torch.float64
+# relative tolerance of each gradient against float64, per input dtype (fp32 sums; half inputs
+# are rounded when loaded, their dx when stored)
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.fixture
+def cpu_kernel(monkeypatch):
+    """The swap on CPU tensors too, and a count of the kernel's backward calls."""
+    calls = []
+    real = norm_kernel.layer_norm_backward
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(norms, "on_kernel_device", lambda t: t.device.type == TRITON_DEVICE)
+    monkeypatch.setattr(norm_kernel, "layer_norm_backward", counted)
+    return calls
+
+
+def reference_grads(x, shape, w, b, eps, dy):
+    """Float64 gradients of F.layer_norm for the leaves among x, w, b that require grad."""
+    leaves = [t.detach().to(F64).requires_grad_(t.requires_grad) if t is not None else None for t in (x, w, b)]
+    out = F.layer_norm(leaves[0], shape, leaves[1], leaves[2], eps)
+    out.backward(dy.to(F64))
+    return [None if t is None or not t.requires_grad else t.grad for t in leaves]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lead=st.lists(st.integers(0, 9), min_size=1, max_size=3),
+    width=st.integers(1, 300),
+    split=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    param_dtype=st.sampled_from(["same", "float32"]),
+    with_bias=st.booleans(),
+    grads=st.sampled_from(["all", "x", "params", "bias"]),
+    transposed=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_function_matches_float64(lead, width, split, dtype, param_dtype, with_bias, grads, transposed, seed):
+    """Loss-free check of every gradient against float64: random leading shapes (0 rows included),
+    odd widths, a normalized shape over one or two trailing dims, half inputs with fp32 or half
+    parameters, no bias, each subset of inputs requiring grad, a non-contiguous x and dy."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (width,) if not split or width % 3 else (3, width // 3)
+    pd = dtype if param_dtype == "same" else torch.float32
+    full = (*lead, *shape)
+    x = (torch.randn(full, generator=g, dtype=F64) * 2 + 0.5)
+    if transposed and len(lead) >= 2:  # a non-contiguous view with the same values
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
+    x = x.to(TRITON_DEVICE, dtype)
+    w = (torch.randn(shape, generator=g, dtype=F64) + 1).to(TRITON_DEVICE, pd)
+    b = torch.randn(shape, generator=g, dtype=F64).to(TRITON_DEVICE, pd) if with_bias else None
+    x.requires_grad_(grads in ("all", "x"))
+    w.requires_grad_(grads in ("all", "params"))
+    if b is not None:
+        b.requires_grad_(grads in ("all", "params", "bias"))
+    if not any(t is not None and t.requires_grad for t in (x, w, b)):
+        x.requires_grad_(True)
+    try:
+        plain = F.layer_norm(x.detach(), shape, w.detach(), None if b is None else b.detach(), 1e-5)
+    except RuntimeError:  # a dtype mix PyTorch refuses on this device: refused the same way
+        with pytest.raises(RuntimeError):
+            norms.LayerNormFunction.apply(x, shape, w, b, 1e-5)
+        return
+    out = norms.LayerNormFunction.apply(x, shape, w, b, 1e-5)
+    assert torch.equal(out, plain)
+    dy = torch.randn(full, generator=g, dtype=F64).to(TRITON_DEVICE, out.dtype)
+    if transposed and len(lead) >= 2:
+        dy = dy.transpose(0, 1).contiguous().transpose(0, 1)
+    out.backward(dy)
+    refs = reference_grads(x, shape, w, b, 1e-5, dy)
+    for name, t, ref in zip("xwb", (x, w, b), refs):
+        if ref is None:
+            assert t is None or t.grad is None, f"d{name} should not be computed"
+            continue
+        assert t.grad.dtype == t.dtype and t.grad.shape == t.shape, name
+        # dx cancels (its rows sum to zero): an absolute floor relative to its terms
+        floor = 1e-6 * (dy.double().norm().item() * 3 + 1) if name == "x" else 1e-6
+        assert_close(t.grad, ref, TOL[dtype] if name == "x" else max(TOL[dtype] / 4, TOL[pd]), floor, f"d{name}")
+
+
+def test_kernel_zero_rows_and_wide_rows():
+    x = torch.zeros(0, 12, device=TRITON_DEVICE)
+    dx, dw, db = norm_kernel.layer_norm_backward(x, x, torch.ones(12, device=TRITON_DEVICE), 1e-5, True, True, True)
+    assert dx.shape == (0, 12) and torch.equal(dw, torch.zeros(12, device=TRITON_DEVICE)) and torch.equal(db, dw)
+    # a row wider than a tile is many rows of one program: 1 x 2000 (one tile row), 33 x 2000
+    for m in (1, 33):
+        g = torch.Generator().manual_seed(m)
+        x = torch.randn(m, 2000, generator=g).to(TRITON_DEVICE).requires_grad_()
+        w = torch.randn(2000, generator=g).to(TRITON_DEVICE).requires_grad_()
+        dy = torch.randn(m, 2000, generator=g).to(TRITON_DEVICE)
+        norms.LayerNormFunction.apply(x, (2000,), w, None, 1e-6).backward(dy)
+        rx, rw, _ = reference_grads(x, (2000,), w, None, 1e-6, dy)
+        assert_close(x.grad, rx, 2e-5, 1e-5, "dx")
+        assert_rel(w.grad, rw, 2e-5, "dw")
+
+
+def test_double_backward_refused():
+    x = torch.randn(4, 6, device=TRITON_DEVICE, requires_grad=True)
+    w = torch.ones(6, device=TRITON_DEVICE, requires_grad=True)
+    out = norms.LayerNormFunction.apply(x, (6,), w, None, 1e-5)
+    (gx,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|double backward|does not require grad"):
+        gx.sum().backward()
+
+
+class Net(nn.Module):
+    """LayerNorms with dropout between them, a plain nn.Module elsewhere."""
+
+    def __init__(self, d: int = 10, device: str = "cpu") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(6, d)
+        self.ln1 = nn.LayerNorm(d)
+        self.drop = nn.Dropout(0.3)
+        self.mid = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d, bias=False)
+        self.out = nn.Linear(d, 5)
+        self.to(device)
+
+    def forward(self, x):
+        return self.out(self.ln2(torch.tanh(self.mid(self.drop(self.ln1(self.inp(x)))))))
+
+
+class Sub(nn.LayerNorm):  # a subclass may override forward: never swapped
+    pass
+
+
+def test_model_norms_and_swap(cpu_kernel, monkeypatch):
+    m = Net(device=TRITON_DEVICE)
+    m.sub = Sub(10, device=TRITON_DEVICE)
+    assert norms.model_norms(m) == [m.ln1, m.ln2]
+    m.ln2.forward = m.ln2.forward  # an instance forward (a wrapper's hook): left alone
+    assert norms.model_norms(m) == [m.ln1]
+    del m.ln2.forward
+    hooked = []
+    m.ln1.register_forward_hook(lambda mod, i, o: hooked.append(o.shape))
+    x = torch.randn(3, 6, device=TRITON_DEVICE)
+    with norms.fast_layer_norms(norms.model_norms(m)):
+        assert "forward" in m.ln1.__dict__ and "forward" in m.ln2.__dict__
+        m.eval()
+        m(x).sum().backward()
+    assert "forward" not in m.ln1.__dict__ and "forward" not in m.ln2.__dict__
+    assert hooked == [(3, 10)] and len(cpu_kernel) == 2
+    # restored after an exception, and nothing swapped under the switch off or on a compiled model
+    with pytest.raises(KeyError), norms.fast_layer_norms([m.ln1]):
+        raise KeyError
+    assert "forward" not in m.ln1.__dict__
+    monkeypatch.setattr(norms, "ENABLED", False)
+    assert norms.model_norms(m) == []
+    monkeypatch.setattr(norms, "ENABLED", True)
+    m.mid.forward = torch.compile(m.mid.forward)
+    assert norms.model_norms(m) == []
+
+
+def test_library_swaps_only_cuda_weights():
+    m = Net()
+    assert norms.model_norms(m) == []  # CPU weights: PyTorch's backward, untouched
+    x = torch.randn(3, 10, requires_grad=True)
+    assert not norms.kernel_applies(m.ln1, x)
+
+
+def clip(q, p):
+    s = 4.0 * F.normalize(q, dim=-1) @ F.normalize(p, dim=-1).T
+    t = torch.arange(len(q), device=q.device)
+    return (F.cross_entropy(s, t) + F.cross_entropy(s.T, t)) / 2
+
+
+def _full_batch(m, q, p, seed):
+    """The full-batch gradients under the masks GradCache's chunks draw: from the same seed, the
+    same chunks (of 4 rows, queries first) in one graph, with PyTorch's LayerNorm backward."""
+    torch.manual_seed(seed)
+    outs = [torch.cat([m(x[i:i + 4]) for i in range(0, len(x), 4)]) for x in (q, p)]
+    clip(*outs).backward()
+    return [t.grad.clone() for t in m.parameters()]
+
+
+@pytest.mark.parametrize("api", ["gradcache", "cached_encode"])
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_engine_runs_the_kernel_exactly(cpu_kernel, api, checkpoint):
+    """A GradCache step / cached_encode with the swap on (CPU): the kernel ran in every re-run
+    chunk's backward, and the gradients equal the full batch's under the same dropout masks --
+    with the model's own non-reentrant activation checkpointing too (its recompute inside the
+    backward must take the swapped path, or its saved tensors differ from the forward's)."""
+    m = Net(device=TRITON_DEVICE)
+    if checkpoint:
+        inner = m.forward
+        m.forward = lambda x: torch.utils.checkpoint.checkpoint(inner, x, use_reentrant=False)
+    g = torch.Generator().manual_seed(3)
+    q, p = (torch.randn(9, 6, generator=g).to(TRITON_DEVICE) for _ in range(2))
+    ref = _full_batch(m, q, p, 11)
+    m.zero_grad(set_to_none=True)
+    torch.manual_seed(11)
+    if api == "gradcache":
+        GradCache(m, 4, clip)(q, p)
+    else:
+        clip(cached_encode(m, q, 4), cached_encode(m, p, 4)).backward()
+    assert len(cpu_kernel) == 2 * 6  # two LayerNorms in each of the 6 re-run chunks
+    for name, (t, r) in zip([n for n, _ in m.named_parameters()], zip(m.parameters(), ref)):
+        assert_rel(t.grad, r, 1e-5, name)
+
+
+def test_kept_chunk_runs_the_kernel(cpu_kernel):
+    """A chunk whose pass-1 graph is kept (memory budget) builds it through the swapped forward."""
+    m = Net(device=TRITON_DEVICE)
+    g = torch.Generator().manual_seed(4)
+    q, p = (torch.randn(12, 6, generator=g).to(TRITON_DEVICE) for _ in range(2))
+    torch.manual_seed(2)
+    gc = GradCache(m, loss_fn=clip, memory_budget="1GiB")
+    gc(q, p)
+    assert gc.last_kept >= 1
+    assert cpu_kernel, "the kept graph's backward did not run the kernel"
+
+
+def _bert(device):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=96, num_hidden_layers=2, num_attention_heads=4, intermediate_size=192, vocab_size=500,
+                     hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.2)
+    return BertModel(cfg).to(device).train()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_autocast_swap_is_the_module_forward(dtype):
+    """Under CUDA autocast the swapped forward gives the module's own output bitwise (autocast's
+    fp32 policy for layer_norm applies inside the Function as outside), and gradients within
+    rounding of float64's."""
+    ln = nn.LayerNorm(768).cuda()
+    nn.init.normal_(ln.weight, 1.0, 0.2)
+    nn.init.normal_(ln.bias, 0.0, 0.2)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 300, 768, generator=g) * 3 + 1).cuda().to(dtype).requires_grad_()
+    with torch.autocast("cuda", dtype=dtype):
+        plain = ln(x)
+        assert norms.model_norms(ln) == [ln]
+        with norms.fast_layer_norms([ln]):
+            fast = ln(x)
+    assert fast.dtype == plain.dtype and torch.equal(fast, plain)
+    assert fast.grad_fn is not None and "LayerNormFunction" in type(fast.grad_fn).__name__
+    dy = torch.randn(fast.shape, generator=g).cuda().to(fast.dtype)
+    fast.backward(dy)
+    refs = reference_grads(x, (768,), ln.weight, ln.bias, ln.eps, dy)
+    assert_close(x.grad, refs[0], 1e-2, 1e-3, "dx")  # rounded to the input's half dtype
+    assert_rel(ln.weight.grad, refs[1], 1e-5, "dw")
+    assert_rel(ln.bias.grad, refs[2], 1e-5, "db")
+
+
+@pytest.mark.gpu
+def test_cuda_bert_step_with_and_without_kernel(monkeypatch):
+    """A bf16-autocast GradCache step of a small BERT (its LayerNorms swapped) against the same step
+    with PyTorch's LayerNorm backward: the gradients agree to bf16 autocast's rounding."""
+    m = _bert("cuda")
+    g = torch.Generator().manual_seed(1)
+    q = {"input_ids": torch.randint(5, 500, (24, 16), generator=g).cuda()}
+    p = {"input_ids": torch.randint(5, 500, (24, 40), generator=g).cuda()}
+    rep = lambda out: out.last_hidden_state[:, 0]
+    calls = []
+    real = norm_kernel.layer_norm_backward
+    monkeypatch.setattr(norm_kernel, "layer_norm_backward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(norms, "ENABLED", on)
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        GradCache(m, 8, clip, get_rep_fn=rep, autocast_dtype=torch.bfloat16)(q, p)
+        got[on] = torch.cat([t.grad.flatten() for t in m.parameters()])
+        assert len(calls) == (6 * 5 if on else 0), len(calls)  # 6 re-run chunks x 5 LayerNorms
+        calls.clear()
+    assert_rel(got[True], got[False], 2e-3, "GradCache gradients, kernel vs PyTorch LayerNorm backward")
