@@ -49,7 +49,7 @@ def reference_grads(x, shape, w, b, eps, dy):
 
 @settings(max_examples=25, deadline=None)
 @given(
-    lead=st.lists(st.integers(0, 9), min_size=1, max_size=3),
+    lead=st.lists(st.integers(0, 9), min_size=0, max_size=3),
     width=st.integers(1, 300),
     split=st.booleans(),
     dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
@@ -229,7 +229,7 @@ def test_kept_chunk_runs_the_kernel(cpu_kernel):
     g = torch.Generator().manual_seed(4)
     q, p = (torch.randn(12, 6, generator=g).to(TRITON_DEVICE) for _ in range(2))
     torch.manual_seed(2)
-    gc = GradCache(m, loss_fn=clip, memory_budget="1GiB")
+    gc = GradCache(m, loss_fn=clip, memory_budget=torch.cuda.memory_allocated() + 2**30 if TRITON_DEVICE == "cuda" else "1GiB")
     gc(q, p)
     assert gc.last_kept >= 1
     assert cpu_kernel, "the kept graph's backward did not run the kernel"
@@ -271,9 +271,11 @@ def test_cuda_autocast_swap_is_the_module_forward(dtype):
 
 
 @pytest.mark.gpu
-def test_cuda_bert_step_with_and_without_kernel(monkeypatch):
-    """A bf16-autocast GradCache step of a small BERT (its LayerNorms swapped) against the same step
-    with PyTorch's LayerNorm backward: the gradients agree to bf16 autocast's rounding."""
+@pytest.mark.parametrize("amp", [None, torch.bfloat16])
+def test_cuda_bert_step_with_and_without_kernel(monkeypatch, amp):
+    """A GradCache step of a small BERT (its LayerNorms swapped) against the same step with
+    PyTorch's LayerNorm backward: in fp32 within fp32 rounding; under bf16 autocast within
+    the tolerance of the other bf16 tests (each rounding difference can flip a bf16 rounding)."""
     m = _bert("cuda")
     g = torch.Generator().manual_seed(1)
     q = {"input_ids": torch.randint(5, 500, (24, 16), generator=g).cuda()}
@@ -287,8 +289,8 @@ def test_cuda_bert_step_with_and_without_kernel(monkeypatch):
         monkeypatch.setattr(norms, "ENABLED", on)
         m.zero_grad(set_to_none=True)
         torch.manual_seed(7)
-        GradCache(m, 8, clip, get_rep_fn=rep, autocast_dtype=torch.bfloat16)(q, p)
+        GradCache(m, 8, clip, get_rep_fn=rep, autocast_dtype=amp)(q, p)
         got[on] = torch.cat([t.grad.flatten() for t in m.parameters()])
         assert len(calls) == (6 * 5 if on else 0), len(calls)  # 6 re-run chunks x 5 LayerNorms
         calls.clear()
-    assert_rel(got[True], got[False], 2e-3, "GradCache gradients, kernel vs PyTorch LayerNorm backward")
+    assert_rel(got[True], got[False], 1e-4 if amp is None else 2e-2, "GradCache gradients, kernel vs PyTorch LayerNorm backward")

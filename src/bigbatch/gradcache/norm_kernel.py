@@ -78,12 +78,13 @@ def layer_norm_bwd_kernel(
 @functools.lru_cache(maxsize=256)
 def _launch_plan(m: int, n: int, elem_bytes: int, sms: int) -> Tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_M, num_warps, programs, rows per program) for ``m x n`` rows of ``elem_bytes``
-    each: tiles of about 16 KiB of each operand (4k fp32 or 8k half values), ``4 * sms`` programs
-    at most, each over a run of whole tiles."""
+    each: tiles of about 16 KiB of each operand (4k fp32 or 8k half values); at most 8 programs
+    per SM for fp32 rows, 2 for half rows, each over a run of whole tiles. (The fastest of 12
+    configurations on an H200 at 16k-64k rows of 768: experiments/gradcache_norm_probe.py.)"""
     block_n = triton.next_power_of_2(n)
     block_m = max(1, min(16, (16384 // elem_bytes) // block_n))
     warps = 4 if block_n <= 4096 else 8
-    programs = max(1, min(4 * sms, triton.cdiv(m, block_m)))
+    programs = max(1, min((8 if elem_bytes >= 4 else 2) * sms, triton.cdiv(m, block_m)))
     rows_per_prog = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
     return block_n, block_m, warps, triton.cdiv(m, rows_per_prog), rows_per_prog
 

@@ -38,6 +38,7 @@ class LayerNormFunction(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
         ctx.shape = tuple(normalized_shape)
+        ctx.row = math.prod(ctx.shape)
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out
 
@@ -48,17 +49,25 @@ class LayerNormFunction(torch.autograd.Function):
 
         x, weight = ctx.saved_tensors
         need_dx, _, need_dw, need_db, _ = ctx.needs_input_grad
-        n = math.prod(ctx.shape)
+        n = ctx.row
         dx, dw, db = layer_norm_backward(
-            x.reshape(-1, n), dy.reshape(-1, n), None if weight is None else weight.reshape(n), ctx.eps,
-            need_dx, need_dw, need_db)  # (reshape: a copy only for a non-viewable layout)
-        if dx is not None:
+            x if x.dim() == 2 and x.shape[1] == n else x.reshape(-1, n),  # (a copy only for a non-viewable layout)
+            dy if dy.dim() == 2 and dy.shape[1] == n else dy.reshape(-1, n),
+            weight if weight is None or weight.dim() == 1 else weight.reshape(n), ctx.eps, need_dx, need_dw, need_db)
+        if dx is not None and dx.shape != x.shape:
             dx = dx.view(x.shape)
-        if dw is not None:
-            dw = dw.view(ctx.shape).to(weight.dtype)
-        if db is not None:
-            db = db.view(ctx.shape).to(ctx.bias_dtype)
-        return dx, None, dw, db, None
+        return dx, None, _param_grad(dw, weight, ctx.shape), _param_grad(db, weight, ctx.shape, ctx.bias_dtype), None
+
+
+def _param_grad(g: Optional[Tensor], weight: Optional[Tensor], shape: Tuple[int, ...],
+                dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
+    """A kernel's fp32 ``(N,)`` parameter gradient in the parameter's shape and dtype."""
+    if g is None:
+        return None
+    if len(shape) > 1:
+        g = g.view(shape)
+    dtype = dtype or weight.dtype
+    return g if g.dtype == dtype else g.to(dtype)
 
 
 def on_kernel_device(t: Tensor) -> bool:
