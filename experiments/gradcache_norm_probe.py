@@ -147,7 +147,7 @@ def part_c(batches, rounds, repeat, out):
         return step
 
     def grads():
-        return torch.cat([t.grad.float().flatten() for t in setup.params])
+        return torch.cat([t.grad.float().flatten() for t in setup.params]).cpu()  # (held on the CPU: memory on the GPU sets the plan)
 
     for b in batches:
         qi, pi, full = full_step(setup, b, device)

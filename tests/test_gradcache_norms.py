@@ -235,12 +235,12 @@ def test_kept_chunk_runs_the_kernel(cpu_kernel):
     assert cpu_kernel, "the kept graph's backward did not run the kernel"
 
 
-def _bert(device):
+def _bert(device, dropout=0.2):
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
     cfg = BertConfig(hidden_size=96, num_hidden_layers=2, num_attention_heads=4, intermediate_size=192, vocab_size=500,
-                     hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.2)
+                     hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     return BertModel(cfg).to(device).train()
 
 
@@ -271,12 +271,13 @@ def test_cuda_autocast_swap_is_the_module_forward(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("amp", [None, torch.bfloat16])
-def test_cuda_bert_step_with_and_without_kernel(monkeypatch, amp):
-    """A GradCache step of a small BERT (its LayerNorms swapped) against the same step with
-    PyTorch's LayerNorm backward: in fp32 within fp32 rounding; under bf16 autocast within
-    the tolerance of the other bf16 tests (each rounding difference can flip a bf16 rounding)."""
-    m = _bert("cuda")
+def test_cuda_bert_step_with_and_without_kernel(monkeypatch):
+    """GradCache steps of a small BERT (dropout off: the masks of fp32 and bf16 tensors differ),
+    with its LayerNorms swapped and with PyTorch's backward: in fp32 the two agree within fp32
+    rounding; under bf16 autocast the kernel's step is as close to the fp32 step as PyTorch's
+    (each differs from it by bf16's rounding; they differ from each other by flipped bf16
+    roundings, not by less)."""
+    m = _bert("cuda", dropout=0.0)
     g = torch.Generator().manual_seed(1)
     q = {"input_ids": torch.randint(5, 500, (24, 16), generator=g).cuda()}
     p = {"input_ids": torch.randint(5, 500, (24, 40), generator=g).cuda()}
@@ -285,12 +286,17 @@ def test_cuda_bert_step_with_and_without_kernel(monkeypatch, amp):
     real = norm_kernel.layer_norm_backward
     monkeypatch.setattr(norm_kernel, "layer_norm_backward", lambda *a, **k: calls.append(1) or real(*a, **k))
     got = {}
-    for on in (True, False):
-        monkeypatch.setattr(norms, "ENABLED", on)
-        m.zero_grad(set_to_none=True)
-        torch.manual_seed(7)
-        GradCache(m, 8, clip, get_rep_fn=rep, autocast_dtype=amp)(q, p)
-        got[on] = torch.cat([t.grad.flatten() for t in m.parameters()])
-        assert len(calls) == (6 * 5 if on else 0), len(calls)  # 6 re-run chunks x 5 LayerNorms
-        calls.clear()
-    assert_rel(got[True], got[False], 1e-4 if amp is None else 2e-2, "GradCache gradients, kernel vs PyTorch LayerNorm backward")
+    for amp in (None, torch.bfloat16):
+        for on in (True, False):
+            monkeypatch.setattr(norms, "ENABLED", on)
+            m.zero_grad(set_to_none=True)
+            GradCache(m, 8, clip, get_rep_fn=rep, autocast_dtype=amp)(q, p)
+            got[amp, on] = torch.cat([t.grad.flatten() for t in m.parameters() if t.grad is not None])
+            assert len(calls) == (6 * 5 if on else 0), len(calls)  # 6 re-run chunks x 5 LayerNorms
+            calls.clear()
+    ref = got[None, False]
+    assert_rel(got[None, True], ref, 1e-5, "fp32 step, kernel vs PyTorch's LayerNorm backward")
+    from helpers import rel_err
+
+    err_kernel, err_plain = rel_err(got[torch.bfloat16, True], ref), rel_err(got[torch.bfloat16, False], ref)
+    assert err_kernel <= 1.25 * err_plain + 1e-5, (err_kernel, err_plain)
