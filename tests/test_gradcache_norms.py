@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -48,6 +48,10 @@ def reference_grads(x, shape, w, b, eps, dy):
 
 
 @settings(max_examples=25, deadline=None)
+# found on the H200: one feature per row, whose dx is exactly 0 in exact arithmetic; the GPU's
+# fused multiply-adds leave one rounding of w * dy, times 1/std = 1/sqrt(eps) = 316 (the floor)
+@example(lead=[2], width=1, split=False, dtype=torch.float32, param_dtype="same", with_bias=False, grads="all",
+         transposed=False, seed=0)
 @given(
     lead=st.lists(st.integers(0, 9), min_size=0, max_size=3),
     width=st.integers(1, 300),
@@ -92,13 +96,16 @@ def test_function_matches_float64(lead, width, split, dtype, param_dtype, with_b
         dy = dy.transpose(0, 1).contiguous().transpose(0, 1)
     out.backward(dy)
     refs = reference_grads(x, shape, w, b, 1e-5, dy)
+    rows = x.detach().double().reshape(-1, w.numel())
+    rstd_max = max(1.0, (rows.var(dim=1, unbiased=False) + 1e-5).rsqrt().max().item()) if rows.shape[0] else 1.0
+    w_max = w.detach().double().abs().max().item()
     for name, t, ref in zip("xwb", (x, w, b), refs):
         if ref is None:
             assert t is None or t.grad is None, f"d{name} should not be computed"
             continue
         assert t.grad.dtype == t.dtype and t.grad.shape == t.shape, name
-        # dx cancels (its rows sum to zero): an absolute floor relative to its terms
-        floor = 1e-6 * (dy.double().norm().item() * 3 + 1) if name == "x" else 1e-6
+        # dx cancels (its rows sum to zero): an absolute floor relative to its terms, w * dy / std
+        floor = 1e-6 * (dy.double().norm().item() * w_max * rstd_max * 3 + 1) if name == "x" else 1e-6
         assert_close(t.grad, ref, TOL[dtype] if name == "x" else max(TOL[dtype] / 4, TOL[pd]), floor, f"d{name}")
 
 

@@ -29,7 +29,7 @@ MAX_N = 8192
 @triton.jit
 def layer_norm_bwd_kernel(
     x_ptr, dy_ptr, w_ptr, dx_ptr, pdw_ptr, pdb_ptr,
-    M, N, rows_per_prog, eps, stride_x, stride_dy, stride_dx,
+    M, N, inv_n, rows_per_prog, eps, stride_x, stride_dy, stride_dx,
     HAS_W: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -51,9 +51,9 @@ def layer_norm_bwd_kernel(
         rows64 = rows.to(tl.int64)
         x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=1) / N
+        mean = tl.sum(x, axis=1) * inv_n  # (times 1/N, not / N: GPU division is approximate, x / 1 != x)
         xc = tl.where(mask, x - mean[:, None], 0.0)
-        var = tl.sum(xc * xc, axis=1) / N
+        var = tl.sum(xc * xc, axis=1) * inv_n
         rstd = 1.0 / tl.sqrt(var + eps)
         xhat = xc * rstd[:, None]
         if NEED_DX:
@@ -61,8 +61,8 @@ def layer_norm_bwd_kernel(
                 wdy = dy * w[None, :]
             else:
                 wdy = dy
-            c1 = tl.sum(xhat * wdy, axis=1) / N
-            c2 = tl.sum(wdy, axis=1) / N
+            c1 = tl.sum(xhat * wdy, axis=1) * inv_n
+            c2 = tl.sum(wdy, axis=1) * inv_n
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
             tl.store(dx_ptr + rows64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if NEED_DW:
@@ -113,7 +113,7 @@ def layer_norm_backward(
     part = torch.empty((2, programs, n), device=x.device, dtype=torch.float32) if need_dw or need_db else x
     layer_norm_bwd_kernel[(programs,)](
         x, dy, x if weight is None else weight, x if dx is None else dx, part, part[1] if need_dw or need_db else x,
-        m, n, rows_per_prog, eps, x.stride(0), dy.stride(0), n,
+        m, n, 1.0 / n, rows_per_prog, eps, x.stride(0), dy.stride(0), n,
         HAS_W=weight is not None, NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )
