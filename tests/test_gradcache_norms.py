@@ -167,20 +167,58 @@ def test_model_norms_and_swap(cpu_kernel, monkeypatch):
     m.ln1.register_forward_hook(lambda mod, i, o: hooked.append(o.shape))
     x = torch.randn(3, 6, device=TRITON_DEVICE)
     with norms.fast_layer_norms(norms.model_norms(m)):
-        assert "forward" in m.ln1.__dict__ and "forward" in m.ln2.__dict__
+        assert type(m.ln1) is norms.OnePassLayerNorm and type(m.ln2) is norms.OnePassLayerNorm
+        with norms.fast_layer_norms([m.ln1]):  # nested: left to the outer window
+            pass
+        assert type(m.ln1) is norms.OnePassLayerNorm
         m.eval()
         m(x).sum().backward()
-    assert "forward" not in m.ln1.__dict__ and "forward" not in m.ln2.__dict__
+    assert type(m.ln1) is nn.LayerNorm and type(m.ln2) is nn.LayerNorm
     assert hooked == [(3, 10)] and len(cpu_kernel) == 2
     # restored after an exception, and nothing swapped under the switch off or on a compiled model
     with pytest.raises(KeyError), norms.fast_layer_norms([m.ln1]):
         raise KeyError
-    assert "forward" not in m.ln1.__dict__
+    assert type(m.ln1) is nn.LayerNorm
     monkeypatch.setattr(norms, "ENABLED", False)
     assert norms.model_norms(m) == []
     monkeypatch.setattr(norms, "ENABLED", True)
     m.mid.forward = torch.compile(m.mid.forward)
     assert norms.model_norms(m) == []
+
+
+def test_copies_made_in_a_window_run_on_their_own_weights(cpu_kernel):
+    """nn.DataParallel's replicas and a deepcopy made while the norms are swapped keep the swapped
+    class: they must compute with their own weights, and take the kernel only inside a window."""
+    import copy
+
+    m = Net(device=TRITON_DEVICE)
+    x = torch.randn(3, 6, device=TRITON_DEVICE)
+    with norms.fast_layer_norms(norms.model_norms(m)):
+        replica = m.ln1._replicate_for_data_parallel()
+        clone = copy.deepcopy(m)
+    for other in (replica, clone.ln1):
+        assert type(other) is norms.OnePassLayerNorm
+    # (as DataParallel's replicate does: the replica's parameters are its device's copies)
+    replica.weight = nn.Parameter(torch.full((10,), 3.0, device=TRITON_DEVICE))
+    replica.bias = nn.Parameter(torch.full((10,), -1.0, device=TRITON_DEVICE))
+    h = torch.randn(3, 10, device=TRITON_DEVICE)
+    assert torch.equal(replica(h), F.layer_norm(h, (10,), replica.weight, replica.bias, replica.eps))
+    clone(x).sum().backward()  # outside any window: PyTorch's backward
+    assert not cpu_kernel
+    with norms.fast_layer_norms([]):  # inside one: the kernel
+        clone(x).sum().backward()
+    assert len(cpu_kernel) == 2
+
+
+def test_data_parallel_devices_are_replayed():
+    """nn.DataParallel's replicas draw dropout on each of its devices: their random state is
+    captured too (its devices set by hand: this machine may have no GPU)."""
+    from bigbatch.gradcache.rng import model_cuda_devices
+
+    dp = nn.DataParallel(Net())
+    dp.device_ids = [0, 1]
+    assert model_cuda_devices(dp) == [0, 1]
+    assert model_cuda_devices(nn.Sequential(Net())) == []
 
 
 def test_library_swaps_only_cuda_weights():

@@ -2,10 +2,10 @@
 
 At a 16 GiB budget the BERT-base benchmark's chunks are ~32k tokens, where PyTorch's LayerNorm
 weight-gradient kernel runs far below memory bandwidth (docs/gradcache.md, "Where the rest goes").
-:func:`fast_layer_norms` swaps, for the duration of a ``with``, the ``forward`` of every plain
-``nn.LayerNorm`` of the given models (exact type, with a weight, on CUDA) for one that computes the
-same output with ``F.layer_norm`` -- bitwise the module's own forward, autocast included -- and
-differentiates it with :class:`LayerNormFunction`. Only the backward differs from PyTorch's: the same
+:func:`fast_layer_norms` gives, for the duration of a ``with``, every plain ``nn.LayerNorm`` of the
+given models (exact type, with a weight, on CUDA) the class :class:`OnePassLayerNorm`, whose
+``forward`` computes the same output with ``F.layer_norm`` -- bitwise the module's own forward,
+autocast included -- and differentiates it with :class:`LayerNormFunction`. Only the backward differs from PyTorch's: the same
 formula, other rounding (fp32 sums in another order, mean and 1/std recomputed in fp32).
 
 Saved for backward: ``x`` (in its own dtype) and the weight -- no more than PyTorch saves
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import types
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -88,11 +87,20 @@ def kernel_applies(module: nn.Module, x: Tensor) -> bool:
             and math.prod(module.normalized_shape) <= MAX_N)
 
 
-def _forward(self: nn.LayerNorm, x: Tensor) -> Tensor:
-    """The swapped ``nn.LayerNorm.forward``: the same output, the kernel's backward where it applies."""
-    if kernel_applies(self, x):
-        return LayerNormFunction.apply(x, tuple(self.normalized_shape), self.weight, self.bias, self.eps)
-    return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+_WINDOWS = [0]  # fast_layer_norms contexts open now (any thread)
+
+
+class OnePassLayerNorm(nn.LayerNorm):
+    """The class a plain ``nn.LayerNorm`` takes inside :func:`fast_layer_norms`: the same module
+    (``__dict__``, parameters, hooks), whose ``forward`` gives the same output and differentiates
+    with the kernel where it applies. A class, not a ``forward`` set on the instance, so that copies
+    made meanwhile -- ``nn.DataParallel``'s replicas, a ``deepcopy`` -- run it on their own weights;
+    a copy that keeps the class takes the kernel only while a window is open."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if _WINDOWS[0] and kernel_applies(self, x):
+            return LayerNormFunction.apply(x, tuple(self.normalized_shape), self.weight, self.bias, self.eps)
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
 ENABLED = True  # module switch, for A/B measurements (experiments/); the library leaves it on
@@ -116,16 +124,20 @@ def model_norms(model: nn.Module) -> List[nn.LayerNorm]:
 
 @contextlib.contextmanager
 def fast_layer_norms(norms: Sequence[nn.LayerNorm]) -> Iterator[None]:
-    """Within the ``with``, ``norms`` (from :func:`model_norms`) run the swapped ``forward``: around
+    """Within the ``with``, ``norms`` (from :func:`model_norms`) are :class:`OnePassLayerNorm`: around
     every forward *and backward* of a chunk with a graph (activation checkpointing re-runs the
-    forward inside the backward, and must save what the first forward saved)."""
+    forward inside the backward, and must save what the first forward saved). Nested: a norm
+    swapped already is left to the outer ``with``."""
     swapped = []
+    _WINDOWS[0] += 1
     try:
         for m in norms:
-            if "forward" not in m.__dict__:
-                m.forward = types.MethodType(_forward, m)
+            if type(m) is nn.LayerNorm and "forward" not in m.__dict__:
+                m.__class__ = OnePassLayerNorm
                 swapped.append(m)
         yield
     finally:
+        _WINDOWS[0] -= 1
         for m in swapped:
-            m.__dict__.pop("forward", None)
+            if type(m) is OnePassLayerNorm:
+                m.__class__ = nn.LayerNorm

@@ -28,9 +28,15 @@ def cuda_devices_of(tensors: Iterable[Tensor]) -> List[int]:
 
 
 def model_cuda_devices(model: nn.Module) -> List[int]:
-    """The CUDA devices holding any parameter or buffer of ``model``: a model split over GPUs
-    (hand-made model parallel, ``device_map="auto"``) draws its dropout on each of them."""
-    return cuda_devices_of(itertools.chain(model.parameters(), model.buffers()))
+    """The CUDA devices holding any parameter or buffer of ``model`` -- a model split over GPUs
+    (hand-made model parallel, ``device_map="auto"``) draws its dropout on each of them -- and
+    those of every ``nn.DataParallel`` in it, whose replicas draw on theirs."""
+    devices = set(cuda_devices_of(itertools.chain(model.parameters(), model.buffers())))
+    for m in model.modules():
+        if isinstance(m, nn.DataParallel):
+            devices.update(torch.device("cuda", d).index if isinstance(d, int) else torch.device(d).index
+                           for d in (m.device_ids or ()))
+    return sorted(devices)
 
 
 def _numpy_random() -> Optional[Any]:
