@@ -76,6 +76,8 @@ def test_function_matches_float64(lead, width, split, dtype, param_dtype, with_b
         x = x.transpose(0, 1).contiguous().transpose(0, 1)
     x = x.to(TRITON_DEVICE, dtype)
     w = (torch.randn(shape, generator=g, dtype=F64) + 1).to(TRITON_DEVICE, pd)
+    if transposed and len(shape) == 1:  # a strided weight (a Parameter made from a view)
+        w = torch.stack([w, torch.zeros_like(w)], dim=1)[:, 0]
     b = torch.randn(shape, generator=g, dtype=F64).to(TRITON_DEVICE, pd) if with_bias else None
     x.requires_grad_(grads in ("all", "x"))
     w.requires_grad_(grads in ("all", "params"))
@@ -125,13 +127,39 @@ def test_kernel_zero_rows_and_wide_rows():
         assert_rel(w.grad, rw, 2e-5, "dw")
 
 
-def test_double_backward_refused():
-    x = torch.randn(4, 6, device=TRITON_DEVICE, requires_grad=True)
-    w = torch.ones(6, device=TRITON_DEVICE, requires_grad=True)
-    out = norms.LayerNormFunction.apply(x, (6,), w, None, 1e-5)
-    (gx,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable|double backward|does not require grad"):
-        gx.sum().backward()
+def test_double_backward_is_pytorchs():
+    """A create_graph backward through the Function (a forward that differentiates through the
+    norm: forces from an energy) gives PyTorch's second derivatives, not constants."""
+    g = torch.Generator().manual_seed(2)
+    x0, w0, b0, c = (torch.randn(s, generator=g, dtype=F64) for s in ((5, 7), (7,), (7,), (5, 7)))
+    got, want = [], []
+    for fn, dtype, out in ((norms.LayerNormFunction.apply, torch.float32, got), (F.layer_norm, F64, want)):
+        x, w, b = (t.to(TRITON_DEVICE, dtype).requires_grad_() for t in (x0, w0, b0))
+        energy = (fn(x, (7,), w, b, 1e-5) * c.to(TRITON_DEVICE, dtype)).pow(2).sum()
+        (force,) = torch.autograd.grad(energy, x, create_graph=True)
+        force.pow(2).sum().backward()
+        out += [force, x.grad, w.grad, b.grad]
+    for name, a, r in zip(("force", "dx", "dw", "db"), got, want):
+        assert_rel(a, r, 1e-4, name)
+
+
+def test_functorch_and_forward_ad_take_pytorchs_path(cpu_kernel):
+    """vmap / jvp through a swapped norm: the Function has no rule for them, PyTorch's layer norm
+    has; the swapped forward takes PyTorch's there (the kernel is not called)."""
+    from torch.autograd import forward_ad
+
+    ln = nn.LayerNorm(6).to(TRITON_DEVICE)
+    x = torch.randn(4, 3, 6, device=TRITON_DEVICE)
+    t = torch.randn(4, 3, 6, device=TRITON_DEVICE)
+    with norms.fast_layer_norms([ln]):
+        assert type(ln) is norms.OnePassLayerNorm
+        batched = torch.vmap(ln)(x)
+        with forward_ad.dual_level():
+            tangent = forward_ad.unpack_dual(ln(forward_ad.make_dual(x, t))).tangent
+    assert torch.allclose(batched, F.layer_norm(x, (6,), ln.weight, ln.bias))
+    _, want = torch.func.jvp(lambda v: F.layer_norm(v, (6,), ln.weight.detach(), ln.bias.detach()), (x,), (t,))
+    assert torch.allclose(tangent, want, atol=1e-5)
+    assert not cpu_kernel
 
 
 class Net(nn.Module):

@@ -54,12 +54,14 @@ def transformed(*tensors: Any) -> bool:
     if _compiling():  # dynamo cannot trace the functorch query; a compiled graph sees plain tensors
         return False
     wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    # tangents exist only inside a dual_level context (cheap to ask: this runs per LayerNorm call)
+    duals = getattr(forward_ad, "_current_level", 0) >= 0
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             continue
         if wrapped is not None and wrapped(t):
             return True
-        if forward_ad.unpack_dual(t).tangent is not None:
+        if duals and forward_ad.unpack_dual(t).tangent is not None:
             return True
     return False
 

@@ -105,6 +105,8 @@ def layer_norm_backward(
         x = x.contiguous()
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
+    if weight is not None and weight.stride(-1) != 1:  # (a Parameter made from a strided view)
+        weight = weight.contiguous()
     dx = torch.empty((m, n), device=x.device, dtype=x.dtype) if need_dx else None
     if m == 0:
         zeros = torch.zeros(n, device=x.device, dtype=torch.float32)

@@ -8,8 +8,8 @@ given models (exact type, with a weight, on CUDA) the class :class:`OnePassLayer
 autocast included -- and differentiates it with :class:`LayerNormFunction`. Only the backward differs from PyTorch's: the same
 formula, other rounding (fp32 sums in another order, mean and 1/std recomputed in fp32).
 
-Saved for backward: ``x`` (in its own dtype) and the weight -- no more than PyTorch saves
-(``x`` or its autocast copy, mean, 1/std, weight, bias).
+Saved for backward: ``x`` (in its own dtype), the weight and the bias -- no more than PyTorch
+saves (``x`` or its autocast copy, mean, 1/std, weight, bias).
 """
 
 from __future__ import annotations
@@ -21,32 +21,38 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
+
+from .._autograd import transformed
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class LayerNormFunction(torch.autograd.Function):
     """``F.layer_norm(x, normalized_shape, weight, bias, eps)`` with the one-pass Triton backward.
-    ``normalized_shape`` may span several trailing dimensions; they are flattened into one row."""
+    ``normalized_shape`` may span several trailing dimensions; they are flattened into one row.
+    A backward with ``create_graph=True`` (a model whose forward differentiates through the norm:
+    forces from an energy) recomputes ``F.layer_norm`` and differentiates PyTorch's, so second
+    derivatives are exact too."""
 
     @staticmethod
     def forward(ctx, x: Tensor, normalized_shape: Tuple[int, ...], weight: Optional[Tensor],
                 bias: Optional[Tensor], eps: float) -> Tensor:
         out = F.layer_norm(x, normalized_shape, weight, bias, eps)  # autocast, if on, applies here as outside
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x, weight, bias)
         ctx.eps = eps
         ctx.shape = tuple(normalized_shape)
         ctx.row = math.prod(ctx.shape)
-        ctx.bias_dtype = None if bias is None else bias.dtype
+        device = x.device.type
+        ctx.amp = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy: Tensor):
         from .norm_kernel import layer_norm_backward
 
-        x, weight = ctx.saved_tensors
+        x, weight, bias = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True
+            return _differentiable_backward(ctx, dy, x, weight, bias)
         need_dx, _, need_dw, need_db, _ = ctx.needs_input_grad
         n = ctx.row
         dx, dw, db = layer_norm_backward(
@@ -55,18 +61,30 @@ class LayerNormFunction(torch.autograd.Function):
             weight if weight is None or weight.dim() == 1 else weight.reshape(n), ctx.eps, need_dx, need_dw, need_db)
         if dx is not None and dx.shape != x.shape:
             dx = dx.view(x.shape)
-        return dx, None, _param_grad(dw, weight, ctx.shape), _param_grad(db, weight, ctx.shape, ctx.bias_dtype), None
+        return (dx, None, _param_grad(dw, weight, ctx.shape),
+                _param_grad(db, bias if bias is not None else weight, ctx.shape), None)
 
 
-def _param_grad(g: Optional[Tensor], weight: Optional[Tensor], shape: Tuple[int, ...],
-                dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
-    """A kernel's fp32 ``(N,)`` parameter gradient in the parameter's shape and dtype."""
+def _differentiable_backward(ctx, dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]):
+    """The gradients as a graph: PyTorch's layer norm recomputed on the saved tensors (under the
+    forward's autocast setting) and differentiated with ``create_graph=True``."""
+    need = (ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3])
+    inputs = [t for t, k in zip((x, weight, bias), need) if k]
+    device, dtype, amp = ctx.amp
+    with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=amp):
+        out = F.layer_norm(x, ctx.shape, weight, bias, ctx.eps)
+    grads = iter(torch.autograd.grad(out, inputs, dy, create_graph=True, allow_unused=True))
+    dx, dw, db = (next(grads) if k else None for k in need)
+    return dx, None, dw, db, None
+
+
+def _param_grad(g: Optional[Tensor], param: Optional[Tensor], shape: Tuple[int, ...]) -> Optional[Tensor]:
+    """A kernel's fp32 ``(N,)`` gradient in the shape and dtype of ``param``."""
     if g is None:
         return None
     if len(shape) > 1:
         g = g.view(shape)
-    dtype = dtype or weight.dtype
-    return g if g.dtype == dtype else g.to(dtype)
+    return g if g.dtype == param.dtype else g.to(param.dtype)
 
 
 def on_kernel_device(t: Tensor) -> bool:
@@ -77,14 +95,16 @@ def on_kernel_device(t: Tensor) -> bool:
 def kernel_applies(module: nn.Module, x: Tensor) -> bool:
     """Whether a call of ``module`` (a plain ``nn.LayerNorm``) on ``x`` takes the kernel: a graph is
     recorded, a weight or bias requires grad, and ``x`` is a CUDA tensor of a dtype and row width
-    the kernel takes (after autocast: fp16 / bf16 / fp32)."""
+    the kernel takes (after autocast: fp16 / bf16 / fp32), none of them under a ``torch.func``
+    transform or carrying a forward-mode tangent (the Function has neither a vmap nor a jvp rule:
+    PyTorch's layer norm has both)."""
     from .norm_kernel import MAX_N
 
     w, b = module.weight, module.bias
     return (torch.is_grad_enabled() and on_kernel_device(x) and x.dtype in _KERNEL_DTYPES
             and (w is not None and w.requires_grad or b is not None and b.requires_grad)
             and (w is None or w.dtype in _KERNEL_DTYPES) and (b is None or b.dtype in _KERNEL_DTYPES)
-            and math.prod(module.normalized_shape) <= MAX_N)
+            and math.prod(module.normalized_shape) <= MAX_N and not transformed(x, w, b))
 
 
 _WINDOWS = [0]  # fast_layer_norms contexts open now (any thread)
