@@ -373,3 +373,16 @@ def test_cuda_bert_step_with_and_without_kernel(monkeypatch):
 
     err_kernel, err_plain = rel_err(got[torch.bfloat16, True], ref), rel_err(got[torch.bfloat16, False], ref)
     assert err_kernel <= 1.25 * err_plain + 1e-5, (err_kernel, err_plain)
+
+
+def test_compiled_function_inside_a_forward_takes_pytorchs_path(cpu_kernel):
+    """A torch.compile'd function called inside an uncompiled forward (invisible to model_norms)
+    traces the swapped norm as PyTorch's layer norm."""
+    ln = nn.LayerNorm(6).to(TRITON_DEVICE)
+    fn = torch.compile(lambda v: ln(v).sum(), backend="eager")
+    x = torch.randn(3, 6, device=TRITON_DEVICE, requires_grad=True)
+    with norms.fast_layer_norms([ln]):
+        fn(x).backward()
+    assert not cpu_kernel
+    want = torch.autograd.grad(F.layer_norm(x, (6,), ln.weight, ln.bias).sum(), x)[0]
+    assert torch.allclose(x.grad, want, atol=1e-6)

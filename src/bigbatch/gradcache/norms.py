@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._autograd import transformed
+from .._autograd import _compiling, transformed
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -97,14 +97,15 @@ def kernel_applies(module: nn.Module, x: Tensor) -> bool:
     recorded, a weight or bias requires grad, and ``x`` is a CUDA tensor of a dtype and row width
     the kernel takes (after autocast: fp16 / bf16 / fp32), none of them under a ``torch.func``
     transform or carrying a forward-mode tangent (the Function has neither a vmap nor a jvp rule:
-    PyTorch's layer norm has both)."""
+    PyTorch's layer norm has both), and not traced by ``torch.compile`` (a compiled function inside
+    an uncompiled forward, which ``model_norms`` cannot see: the compiler fuses norms itself)."""
     from .norm_kernel import MAX_N
 
     w, b = module.weight, module.bias
     return (torch.is_grad_enabled() and on_kernel_device(x) and x.dtype in _KERNEL_DTYPES
             and (w is not None and w.requires_grad or b is not None and b.requires_grad)
             and (w is None or w.dtype in _KERNEL_DTYPES) and (b is None or b.dtype in _KERNEL_DTYPES)
-            and math.prod(module.normalized_shape) <= MAX_N and not transformed(x, w, b))
+            and math.prod(module.normalized_shape) <= MAX_N and not _compiling() and not transformed(x, w, b))
 
 
 _WINDOWS = [0]  # fast_layer_norms contexts open now (any thread)
