@@ -72,6 +72,18 @@ def full_step(setup, b: int, device):
     return qi, pi, full
 
 
+def switched(gc, switch, on: bool, *inputs):
+    """A cached step ``gc(*inputs)`` run with the library's module switch ``switch.ENABLED = on``
+    (accumulate, norms), set back on afterwards: one side of an A/B."""
+    def step():
+        switch.ENABLED = on
+        try:
+            gc(*inputs)
+        finally:
+            switch.ENABLED = True
+    return step
+
+
 def ab_setup(name: str, batches, rounds: int, repeat: int, budget: bool = False):
     """The common start of these A/B experiments: their command line (batches, interleaved
     rounds x repeats, output path), the benchmark's dual encoder on the GPU, and the result dict.
@@ -99,16 +111,7 @@ def main() -> None:
     for b in args.batches:
         qi, pi, full = full_step(setup, b, device)
 
-        def cached(on: bool):
-            def step():
-                accumulate.ENABLED = on
-                try:
-                    gc(qi, pi)
-                finally:
-                    accumulate.ENABLED = True
-            return step
-
-        variants = {"full": full, "fused": cached(True), "plain": cached(False)}
+        variants = {"full": full, "fused": switched(gc, accumulate, True, qi, pi), "plain": switched(gc, accumulate, False, qi, pi)}
         timed = interleaved(variants, args.rounds, args.repeat, f"B={b}")
         row = {"batch": b, "chunk_rows": [list(x) for x in gc.last_chunk_rows], "kept_rows": list(gc.last_kept_rows)}
         for name, fn in variants.items():

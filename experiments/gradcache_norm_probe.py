@@ -127,7 +127,7 @@ def part_c(batches, rounds, repeat, out):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from gradcache_fused_ab import full_step, interleaved
+    from gradcache_fused_ab import full_step, interleaved, switched
 
     from bigbatch.bench.gradcache import DualEncoder, _rep
     from bigbatch.gradcache import GradCache
@@ -137,20 +137,15 @@ def part_c(batches, rounds, repeat, out):
     gc = GradCache([setup.mq, setup.mp], memory_budget="16GiB", loss_fn=setup.loss_fn, get_rep_fn=_rep,
                    autocast_dtype=torch.bfloat16)
 
-    def cached(on: bool):
-        def step():
-            norms.ENABLED = on
-            try:
-                gc(qi, pi)
-            finally:
-                norms.ENABLED = True
-        return step
-
     def grads():
         return torch.cat([t.grad.float().flatten() for t in setup.params]).cpu()  # (held on the CPU: memory on the GPU sets the plan)
 
     for b in batches:
         qi, pi, full = full_step(setup, b, device)
+
+        def cached(on: bool):
+            return switched(gc, norms, on, qi, pi)
+
         variants = {"full": full, "gradcache": cached(False), "gradcache_kernel": cached(True)}
         timed = interleaved(variants, rounds, repeat, f"B={b}")
         # after the timed calls: the planner has stopped measuring chunks (its measurements draw
