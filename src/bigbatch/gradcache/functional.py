@@ -47,6 +47,7 @@ from .chunking import differentiable, tensor_leaves
 from .engine import Written, autocast_state, chunk_backward, compact, pass_one_in_grad_mode
 from .lazy import LazyInits, skipping_inits
 from .model_state import ModelState, param_versions
+from .norms import fast_layer_norms, model_norms
 from .rng import RngState, cuda_devices_of
 from .wrappers import check_not_fsdp, check_not_parametrize_cached
 
@@ -147,6 +148,8 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
                     stack.enter_context(state.modes_restored())
                 stack.enter_context(buffers_restored(modules))
                 stack.enter_context(restoring(states, record, modules))
+                # the one-pass LayerNorm backward for the re-run's forward and backward (engine.py)
+                stack.enter_context(fast_layer_norms([n for m in modules for n in model_norms(m)]))
                 with torch.enable_grad(), rng.replay(), _AutocastReplay(amp), skipping_inits(modules, lazy_after):
                     again = _as_tuple(func(*args, **kwargs), func.__name__)
                 pairs = [(t, g) for t, g in zip(again, grads) if g is not None and t.requires_grad]

@@ -34,8 +34,7 @@ def model_cuda_devices(model: nn.Module) -> List[int]:
     devices = set(cuda_devices_of(itertools.chain(model.parameters(), model.buffers())))
     for m in model.modules():
         if isinstance(m, nn.DataParallel):
-            devices.update(torch.device("cuda", d).index if isinstance(d, int) else torch.device(d).index
-                           for d in (m.device_ids or ()))
+            devices.update(d if isinstance(d, int) else torch.device(d).index for d in (m.device_ids or ()))
     return sorted(devices)
 
 
