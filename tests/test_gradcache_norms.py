@@ -419,3 +419,23 @@ def test_compiled_function_inside_a_forward_takes_pytorchs_path(cpu_kernel):
     assert not cpu_kernel
     want = torch.autograd.grad(F.layer_norm(x, (6,), ln.weight, ln.bias).sum(), x)[0]
     assert torch.allclose(x.grad, want, atol=1e-6)
+
+
+def test_transform_over_other_inputs_and_batched_backward(cpu_kernel):
+    """A torch.func transform running over other inputs than the norm's (the Function would be
+    refused inside any), and a vmapped first-order backward (is_grads_batched: a batched dy the
+    kernel cannot take) give PyTorch's results. (Found by a review.)"""
+    ln = nn.LayerNorm(5).to(TRITON_DEVICE)
+    h = torch.randn(3, 5, device=TRITON_DEVICE)
+    z = torch.randn(3, 5, device=TRITON_DEVICE)
+    with norms.fast_layer_norms([ln]):
+        got = torch.func.grad(lambda v: (ln(h) * v).sum())(z)
+    assert torch.allclose(got, F.layer_norm(h, (5,), ln.weight, ln.bias).detach())
+    x = torch.randn(3, 5, device=TRITON_DEVICE, requires_grad=True)
+    eye = torch.eye(15, device=TRITON_DEVICE).view(15, 3, 5)
+    with norms.fast_layer_norms([ln]):
+        out = ln(x)
+        assert "LayerNormFunction" in type(out.grad_fn).__name__
+        (jac,) = torch.autograd.grad(out, x, eye, is_grads_batched=True)
+    want = torch.autograd.functional.jacobian(lambda v: F.layer_norm(v, (5,), ln.weight, ln.bias), x.detach())
+    assert torch.allclose(jac, want.reshape(15, 3, 5), atol=1e-5)

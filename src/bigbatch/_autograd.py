@@ -80,6 +80,22 @@ def _compiling() -> bool:
     return bool(is_compiling()) if is_compiling is not None else False
 
 
+def batched(*tensors: Any) -> bool:
+    """Whether a tensor is batched by vmap: the legacy batching of ``autograd.grad(...,
+    is_grads_batched=True)`` or ``torch.func.vmap``'s."""
+    functorch = getattr(torch._C, "_functorch", None)
+    checks = [getattr(functorch, n, None) for n in ("is_legacy_batchedtensor", "is_batchedtensor")]
+    checks = [c for c in checks if c is not None]
+    return any(isinstance(t, torch.Tensor) and c(t) for t in tensors for c in checks)
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (vmap, grad, jvp) is running now, whatever its inputs:
+    an autograd Function without ``setup_context`` is refused inside one."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active()) if active is not None else False
+
+
 def refuse_batched(what: str, instead: str, grads: Any) -> None:
     """Raise if the backward runs on batched gradients (``autograd.grad(..., is_grads_batched=True)``,
     which vmaps the backward): tiles accumulated in place cannot carry a batch of gradients, and
@@ -89,11 +105,7 @@ def refuse_batched(what: str, instead: str, grads: Any) -> None:
     is never a batched one."""
     if _compiling():
         return
-    functorch = getattr(torch._C, "_functorch", None)
-    # is_grads_batched uses the legacy batching; torch.func.vmap the functorch one
-    checks = [getattr(functorch, n, None) for n in ("is_legacy_batchedtensor", "is_batchedtensor")]
-    checks = [c for c in checks if c is not None]
-    if any(isinstance(g, torch.Tensor) and c(g) for g in grads for c in checks):
+    if batched(*grads):
         raise RuntimeError(
             f"{what} do not support batched gradients (autograd.grad(..., is_grads_batched=True), "
             f"vmap): back-propagate each gradient in turn; {instead}")

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._autograd import _compiling, transformed
+from .._autograd import _compiling, batched, functorch_active, transformed
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -51,7 +51,7 @@ class LayerNormFunction(torch.autograd.Function):
         from .norm_kernel import layer_norm_backward
 
         x, weight, bias = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True
+        if torch.is_grad_enabled() or batched(dy):  # create_graph=True; is_grads_batched (a vmapped backward)
             return _differentiable_backward(ctx, dy, x, weight, bias)
         need_dx, _, need_dw, need_db, _ = ctx.needs_input_grad
         n = ctx.row
@@ -66,14 +66,16 @@ class LayerNormFunction(torch.autograd.Function):
 
 
 def _differentiable_backward(ctx, dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]):
-    """The gradients as a graph: PyTorch's layer norm recomputed on the saved tensors (under the
-    forward's autocast setting) and differentiated with ``create_graph=True``."""
+    """PyTorch's gradients: its layer norm recomputed on the saved tensors (under the forward's
+    autocast setting) and differentiated -- as a graph under ``create_graph=True``; for a batched
+    ``dy`` (which the kernel cannot take) without one otherwise."""
     need = (ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3])
     inputs = [t for t, k in zip((x, weight, bias), need) if k]
     device, dtype, amp = ctx.amp
+    create_graph = torch.is_grad_enabled()
     with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=amp):
         out = F.layer_norm(x, ctx.shape, weight, bias, ctx.eps)
-    grads = iter(torch.autograd.grad(out, inputs, dy, create_graph=True, allow_unused=True))
+    grads = iter(torch.autograd.grad(out, inputs, dy, create_graph=create_graph, allow_unused=True))
     dx, dw, db = (next(grads) if k else None for k in need)
     return dx, None, dw, db, None
 
@@ -95,8 +97,8 @@ def on_kernel_device(t: Tensor) -> bool:
 def kernel_applies(module: nn.Module, x: Tensor) -> bool:
     """Whether a call of ``module`` (a plain ``nn.LayerNorm``) on ``x`` takes the kernel: a graph is
     recorded, a weight or bias requires grad, and ``x`` is a CUDA tensor of a dtype and row width
-    the kernel takes (after autocast: fp16 / bf16 / fp32), none of them under a ``torch.func``
-    transform or carrying a forward-mode tangent (the Function has neither a vmap nor a jvp rule:
+    the kernel takes (after autocast: fp16 / bf16 / fp32), no ``torch.func`` transform running
+    (whatever its inputs) and no input carrying a forward-mode tangent (the Function has neither a vmap nor a jvp rule:
     PyTorch's layer norm has both), and not traced by ``torch.compile`` (a compiled function inside
     an uncompiled forward, which ``model_norms`` cannot see: the compiler fuses norms itself)."""
     from .norm_kernel import MAX_N
@@ -105,7 +107,8 @@ def kernel_applies(module: nn.Module, x: Tensor) -> bool:
     return (torch.is_grad_enabled() and on_kernel_device(x) and x.dtype in _KERNEL_DTYPES
             and (w is not None and w.requires_grad or b is not None and b.requires_grad)
             and (w is None or w.dtype in _KERNEL_DTYPES) and (b is None or b.dtype in _KERNEL_DTYPES)
-            and math.prod(module.normalized_shape) <= MAX_N and not _compiling() and not transformed(x, w, b))
+            and math.prod(module.normalized_shape) <= MAX_N and not _compiling() and not functorch_active()
+            and not transformed(x, w, b))
 
 
 _WINDOWS = [0]  # fast_layer_norms contexts open now (any thread)
