@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -111,7 +112,10 @@ def kernel_applies(module: nn.Module, x: Tensor) -> bool:
             and not transformed(x, w, b))
 
 
-_WINDOWS = [0]  # fast_layer_norms contexts open now (any thread)
+# fast_layer_norms contexts open now, in any thread (the autograd engine's device threads may run
+# two GPUs' cached_encode re-runs at once: the count is changed under a lock)
+_WINDOWS = [0]
+_WINDOWS_LOCK = threading.Lock()
 
 
 class OnePassLayerNorm(nn.LayerNorm):
@@ -153,7 +157,8 @@ def fast_layer_norms(norms: Sequence[nn.LayerNorm]) -> Iterator[None]:
     forward inside the backward, and must save what the first forward saved). Nested: a norm
     swapped already is left to the outer ``with``."""
     swapped = []
-    _WINDOWS[0] += 1
+    with _WINDOWS_LOCK:
+        _WINDOWS[0] += 1
     try:
         for m in norms:
             if type(m) is nn.LayerNorm and "forward" not in m.__dict__:
@@ -161,7 +166,8 @@ def fast_layer_norms(norms: Sequence[nn.LayerNorm]) -> Iterator[None]:
                 swapped.append(m)
         yield
     finally:
-        _WINDOWS[0] -= 1
+        with _WINDOWS_LOCK:
+            _WINDOWS[0] -= 1
         for m in swapped:
             if type(m) is OnePassLayerNorm:
                 m.__class__ = nn.LayerNorm
