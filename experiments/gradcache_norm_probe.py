@@ -16,6 +16,7 @@ C. The benchmark's dual encoder (``bigbatch.bench.gradcache``): full step, GradC
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 
@@ -76,11 +77,7 @@ def part_a(rows_list, out):
             variants = {}
             for block_m in (2, 4, 8, 16):
                 for per_sm in (2, 4, 8):
-                    def plan(m_, n_, el, sms, bm=block_m, k=per_sm):
-                        p_ = max(1, min(k * sms, -(-m_ // bm)))
-                        rpp = -(-(-(-m_ // p_)) // bm) * bm
-                        return triton_pow2(n_), bm, 4, -(-m_ // rpp), rpp
-                    norm_kernel._launch_plan = plan
+                    norm_kernel._launch_plan = functools.partial(base_plan, block_m=block_m, per_sm=per_sm)
                     try:
                         ms = loop_ms(lambda: norm_kernel.layer_norm_backward(x, dy, w, 1e-12, True, True, True))
                     except Exception as exc:  # a configuration out of resources
@@ -102,12 +99,6 @@ def part_a(rows_list, out):
             row["best_variant_ms"] = best[0]
             print(json.dumps({k: v for k, v in row.items() if k != "variants_ms"}), flush=True)
             out["ln"].append(row)
-
-
-def triton_pow2(n: int) -> int:
-    import triton
-
-    return triton.next_power_of_2(n)
 
 
 def part_b(rows_list, out):

@@ -29,12 +29,12 @@ MAX_N = 8192
 @triton.jit
 def layer_norm_bwd_kernel(
     x_ptr, dy_ptr, w_ptr, dx_ptr, pdw_ptr, pdb_ptr,
-    M, N, inv_n, rows_per_prog, eps, stride_x, stride_dy, stride_dx,
+    M, N, inv_n, rows_per_prog, eps, stride_x, stride_dy,
     HAS_W: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Rows ``[pid * rows_per_prog, (pid + 1) * rows_per_prog)`` of ``x`` / ``dy`` (``M x N``, unit
-    column stride): ``dx`` of each, and this program's sums of ``dy * x_hat`` (``pdw[pid]``) and of
+    column stride): ``dx`` of each (contiguous), and this program's sums of ``dy * x_hat`` (``pdw[pid]``) and of
     ``dy`` (``pdb[pid]``). ``rows_per_prog`` is a multiple of ``BLOCK_M``."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -51,7 +51,7 @@ def layer_norm_bwd_kernel(
         rows64 = rows.to(tl.int64)
         x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=1) * inv_n  # (times 1/N, not / N: GPU division is approximate, x / 1 != x)
+        mean = tl.sum(x, axis=1) * inv_n  # (times 1/N, as PyTorch's kernels: one rounding less than / N)
         xc = tl.where(mask, x - mean[:, None], 0.0)
         var = tl.sum(xc * xc, axis=1) * inv_n
         rstd = 1.0 / tl.sqrt(var + eps)
@@ -64,7 +64,7 @@ def layer_norm_bwd_kernel(
             c1 = tl.sum(xhat * wdy, axis=1) * inv_n
             c2 = tl.sum(wdy, axis=1) * inv_n
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-            tl.store(dx_ptr + rows64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + rows64[:, None] * N + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if NEED_DW:
             acc_dw += tl.sum(dy * xhat, axis=0)
         if NEED_DB:
@@ -76,15 +76,17 @@ def layer_norm_bwd_kernel(
 
 
 @functools.lru_cache(maxsize=256)
-def _launch_plan(m: int, n: int, elem_bytes: int, sms: int) -> Tuple[int, int, int, int, int]:
+def _launch_plan(m: int, n: int, elem_bytes: int, sms: int, block_m: Optional[int] = None,
+                 per_sm: Optional[int] = None) -> Tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_M, num_warps, programs, rows per program) for ``m x n`` rows of ``elem_bytes``
     each: tiles of about 16 KiB of each operand (4k fp32 or 8k half values); at most 8 programs
     per SM for fp32 rows, 2 for half rows, each over a run of whole tiles. (The fastest of 12
-    configurations on an H200 at 16k-64k rows of 768: experiments/gradcache_norm_probe.py.)"""
+    configurations on an H200 at 16k-64k rows of 768: experiments/gradcache_norm_probe.py, which
+    passes ``block_m`` / ``per_sm`` to sweep them.)"""
     block_n = triton.next_power_of_2(n)
-    block_m = max(1, min(16, (16384 // elem_bytes) // block_n))
+    block_m = block_m or max(1, min(16, (16384 // elem_bytes) // block_n))
     warps = 4 if block_n <= 4096 else 8
-    programs = max(1, min((8 if elem_bytes >= 4 else 2) * sms, triton.cdiv(m, block_m)))
+    programs = max(1, min((per_sm or (8 if elem_bytes >= 4 else 2)) * sms, triton.cdiv(m, block_m)))
     rows_per_prog = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
     return block_n, block_m, warps, triton.cdiv(m, rows_per_prog), rows_per_prog
 
@@ -115,7 +117,7 @@ def layer_norm_backward(
     part = torch.empty((2, programs, n), device=x.device, dtype=torch.float32) if need_dw or need_db else x
     layer_norm_bwd_kernel[(programs,)](
         x, dy, x if weight is None else weight, x if dx is None else dx, part, part[1] if need_dw or need_db else x,
-        m, n, 1.0 / n, rows_per_prog, eps, x.stride(0), dy.stride(0), n,
+        m, n, 1.0 / n, rows_per_prog, eps, x.stride(0), dy.stride(0),
         HAS_W=weight is not None, NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )

@@ -63,7 +63,7 @@ class LayerNormFunction(torch.autograd.Function):
         if dx is not None and dx.shape != x.shape:
             dx = dx.view(x.shape)
         return (dx, None, _param_grad(dw, weight, ctx.shape),
-                _param_grad(db, bias if bias is not None else weight, ctx.shape), None)
+                _param_grad(db, bias, ctx.shape), None)
 
 
 def _differentiable_backward(ctx, dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]):
