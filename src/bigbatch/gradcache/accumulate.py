@@ -26,6 +26,7 @@ from typing import Iterator, List, Optional
 import torch
 from torch import Tensor, nn
 
+from . import walk
 from .wrappers import ddp_modules
 
 ENABLED = True  # module switch, for A/B measurements (experiments/); the library leaves it on
@@ -65,7 +66,7 @@ class GradAccumulation:
     allowed) and entered once per chunk's backward: ``with acc.chunk(): backward(...)``."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = [p for p in walk.parameters(model) if p.requires_grad]
         self.fused = ENABLED and bool(self.params) and _fusable(model, self.params)
 
     @contextlib.contextmanager

@@ -54,6 +54,7 @@ from .chunking import (batch_size, call_model, check_not_detached, map_tensors, 
                        tensor_leaves, to_device)
 from .rng import forked_rng, model_cuda_devices
 from .wrappers import ddp_bypassed
+from . import walk
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -198,7 +199,7 @@ def _on(t: Tensor, device: torch.device) -> bool:
 def sparse_tables(model: nn.Module) -> Set[int]:
     """``id``s of the model's sparse embedding tables: their ``.grad`` holds only the rows a batch
     touched (a few bytes per row, which the probe's per-row cost covers), not the table."""
-    return {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+    return {id(m.weight) for m in walk.submodules(model) if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
 
 
 def grads_to_come(models: Sequence[nn.Module], device: torch.device) -> int:
@@ -210,7 +211,7 @@ def grads_to_come(models: Sequence[nn.Module], device: torch.device) -> int:
     seen, total = set(), 0
     for model in models:
         seen.update(sparse_tables(model))
-        for p in model.parameters():
+        for p in walk.parameters(model):
             if p.requires_grad and p.grad is None and id(p) not in seen and _on(p, device):
                 seen.add(id(p))
                 total += p.numel() * p.element_size()
@@ -296,8 +297,8 @@ def _signature(model: nn.Module, x: Any, autocast: Optional[torch.dtype]) -> Tup
     tower unfrozen after warm-up builds a graph it did not before) and train/eval modes (dropout
     masks are saved in training)."""
     leaves = tuple((tuple(t.shape[1:]), t.dtype, t.requires_grad) for t in tensor_leaves(x))
-    params = tuple((id(p), p.dtype, p.device, p.requires_grad) for p in model.parameters())
-    modes = tuple(m.training for m in model.modules())
+    params = tuple((id(p), p.dtype, p.device, p.requires_grad) for p in walk.parameters(model))
+    modes = tuple(m.training for m in walk.submodules(model))
     return (identity_of(model), params, modes, leaves, autocast)
 
 
@@ -433,7 +434,7 @@ def _measure(model, x, get_rep, autocast_ctx, params, device, by_grad: bool = Tr
     # Tensors saved for the backward that are the model's own weights or buffers (a Linear saves
     # its weight) or the chunk's inputs already exist: the step adds nothing for them (counted
     # before: all-MiniLM-L6-v2's 41 MiB of weights, twice, in a 7-row probe of 51 MiB saved).
-    own = itertools.chain(model.parameters(), model.buffers()) if isinstance(model, nn.Module) else ()
+    own = itertools.chain(walk.parameters(model), walk.buffers(model)) if isinstance(model, nn.Module) else ()
     existing = {_storage_ptr(t) for t in itertools.chain(own, tensor_leaves(x))}
     existing.discard(None)
 
@@ -491,7 +492,7 @@ class ChunkProber:
         entry of ``rows``, with nothing the step can see changed; and whether the backward ran by
         ``autograd.grad`` (``by_grad=None``: tried first, else ``.backward()``). ``warm``: on CUDA the
         first size runs once unmeasured first."""
-        params = [p for p in model.parameters() if p.requires_grad]  # empty: a frozen model
+        params = [p for p in walk.parameters(model) if p.requires_grad]  # empty: a frozen model
         device = model_device(model, x)
         devices = model_cuda_devices(model)
         if device.type == "cuda":  # where the probe runs (a parameterless model: its inputs' device)

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
+from . import walk
 from .hooks import forward_pre_hooks
 from .wrappers import ddp_modules, is_ddp
 
@@ -59,18 +60,21 @@ PENDING = _Marker("PENDING")  # before the step's first forward
 LAZY = _Marker("LAZY")  # an uninitialised (lazy) buffer: left as it is
 
 
-def _submodules(modules: Iterable[nn.Module]) -> List[nn.Module]:
-    """Every submodule of ``modules`` once (shared ones included)."""
+def _submodules(modules: Iterable[nn.Module], fresh: bool = False) -> List[nn.Module]:
+    """Every submodule of ``modules`` once (shared ones included); ``fresh``: walked now, not
+    taken from the step's memo (``walk.py``), to see what a forward attached."""
+    if fresh:
+        return walk.fresh_submodules(modules)
     out: Dict[int, nn.Module] = {}
     for model in modules:
-        for mod in model.modules():
+        for mod in walk.submodules(model):
             out.setdefault(id(mod), mod)
     return list(out.values())
 
 
-def _buffer_slots(modules: Iterable[nn.Module]) -> List[Slot]:
+def _buffer_slots(modules: Iterable[nn.Module], fresh: bool = False) -> List[Slot]:
     """Every buffer of ``modules`` (``None`` ones, lazily set later, included)."""
-    return [(mod, "_buffers", name) for mod in _submodules(modules) for name in list(mod._buffers.keys())]
+    return [(mod, "_buffers", name) for mod in _submodules(modules, fresh) for name in list(mod._buffers.keys())]
 
 
 def _state_slots(modules: Iterable[nn.Module]) -> List[Slot]:
@@ -177,7 +181,7 @@ class BufferStates:
         for i in self.params:
             groups.setdefault(id(self.originals[i]), []).append(i)
         self._groups = list(groups.values())
-        owners = [{id(sub) for sub in (m.module if is_ddp(m) else m).modules()} for m in self.modules]
+        owners = [{id(sub) for sub in walk.submodules(m.module if is_ddp(m) else m)} for m in self.modules]
         self._owned = {id(m): subs for m, subs in zip(self.modules, owners)}
         self._pending = [{id(m) for m, subs in zip(self.modules, owners) if any(id(self.slots[i][0]) in subs for i in g)}
                          for g in self._groups]  # per group: the models still to run their first chunk
@@ -272,10 +276,14 @@ class BufferStates:
         self._marks = []
 
     def _unseen_buffers(self) -> Tuple[List[nn.Module], List[Tuple[nn.Module, str]]]:
-        """Every submodule (one walk), and the ``(module, name)`` of each buffer without a slot yet."""
+        """Every submodule (one fresh walk), and the ``(module, name)`` of each buffer without a slot
+        yet. Either changed by a forward: the step's memoised walks are dropped (``walk.forget``)."""
         known = {(id(m), n) for m, store, n in self.slots if store == "_buffers"}
-        subs = _submodules(self.modules)
-        return subs, [(mod, name) for mod in subs for name in list(mod._buffers.keys()) if (id(mod), name) not in known]
+        subs = _submodules(self.modules, fresh=True)
+        unseen = [(mod, name) for mod in subs for name in list(mod._buffers.keys()) if (id(mod), name) not in known]
+        if unseen or len(subs) != len(self._module_ids) or any(id(m) not in self._module_ids for m in subs):
+            walk.forget()
+        return subs, unseen
 
     def _watch(self, models: Sequence[nn.Module]) -> None:
         """After a model's first chunk: which frozen parameters did its forward write, and -- when
@@ -313,7 +321,7 @@ class BufferStates:
 
     def _within(self, module: nn.Module) -> List[int]:
         """The slots of ``module``'s submodules."""
-        subs = {id(m) for m in module.modules()}
+        subs = {id(m) for m in walk.submodules(module)}
         return [i for i, slot in enumerate(self.slots) if id(slot[0]) in subs]
 
     def retake(self, record: Dict[int, Any], module: nn.Module) -> None:
@@ -426,6 +434,6 @@ def buffers_restored(modules: Iterable[nn.Module]) -> Iterator[None]:
         for slot, buf, value in saved:
             _put(slot, value, buf)
         known = {(id(m), store, n) for (m, store, n), _, _ in saved}
-        for mod, store, name in _buffer_slots(modules):  # buffers registered inside: removed
+        for mod, store, name in _buffer_slots(modules, fresh=True):  # buffers registered inside: removed
             if (id(mod), store, name) not in known:
                 del mod._buffers[name]

@@ -28,6 +28,7 @@ from .budget import ChunkProber, MemoryArg, in_use_at_start, offloads, parse_mem
 from .chunking import batch_size, check_offload_target, chunk_rows, differentiable, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, autocast_state, backprop, encode, finalize_plan
 from .inputs import backward_into_originals, inputs_require_grad, with_boundaries
+from . import walk
 from .wrappers import (DDP_SYNC_MODES, check_loss_params_outside_ddp, check_not_fsdp, check_not_parametrize_cached,
                        ddp_modules, is_model_list, warn_user)
 
@@ -314,6 +315,7 @@ class GradCache:
             held += cost.held(u.rows)
 
     # -- the step -------------------------------------------------------------------------
+    @walk.walked
     def cache_step(self, *inputs: Any, no_sync_except_last: Optional[bool] = None, **loss_kwargs: Any) -> Tensor:
         """Run one cached step; see the class docstring."""
         if not inputs:
@@ -339,7 +341,7 @@ class GradCache:
         # A model is re-run if a parameter or an input tensor of it requires grad; a frozen one
         # (no parameter requires grad, e.g. a locked tower as in LiT) fed plain inputs is encoded
         # once without a graph, its representations get no gradient and it is never re-run.
-        trainable = [any(p.requires_grad for p in m.parameters()) or inputs_require_grad(x) for m, x in zip(models, inputs)]
+        trainable = [any(p.requires_grad for p in walk.parameters(m)) or inputs_require_grad(x) for m, x in zip(models, inputs)]
         bounded = [with_boundaries(x, leaves_too=False) for x in inputs]
         inputs = tuple(x for x, _ in bounded)
         boundaries = [pair for _, pairs in bounded for pair in pairs]

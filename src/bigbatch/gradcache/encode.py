@@ -27,6 +27,7 @@ from .cache import _BUDGET_FRACTION, _identity, check_callables, check_options, 
 from .chunking import batch_size, check_offload_target, chunk_rows, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, _autocast, backprop, encode, finalize_plan
 from .inputs import Pairs, inputs_require_grad, with_boundaries
+from . import walk
 from .wrappers import (check_not_fsdp, check_not_parametrize_cached, ddp_modules, is_model_list, warn_user,
                        watch_plain_forwards)
 
@@ -52,6 +53,7 @@ class _CachedEncode(torch.autograd.Function):
         return box.pop()
 
     @staticmethod
+    @walk.walked
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         refuse_create_graph("cached_encode's representations", "its re-runs accumulate constant "
                             "gradients into .grad; use a plain forward for higher derivatives")
@@ -114,6 +116,7 @@ def _targets(anchor: Tensor, params: List[Tensor]) -> Optional[List[Tensor]]:
         return None
 
 
+@walk.walked
 def cached_encode(
     model: nn.Module,
     inputs: Any,
@@ -166,7 +169,7 @@ def cached_encode(
     if offload_inputs:
         check_offload_target([model])
         inputs = pin(inputs)
-    trained = any(p.requires_grad for p in model.parameters())
+    trained = any(p.requires_grad for p in walk.parameters(model))
     needs_grad = torch.is_grad_enabled() and (trained or inputs_require_grad(inputs))
     if needs_grad:
         check_not_parametrize_cached("cached_encode", [model])
@@ -215,5 +218,5 @@ def cached_encode(
         if units[-1].keep and len(units) == 1:  # the kept graph's own output: a copy, so in-place ops stay allowed
             rep = rep.clone()
     anchor = torch.empty(0, device=device, requires_grad=True)
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in walk.parameters(model) if p.requires_grad]
     return _CachedEncode.apply(anchor, [rep], units, opts, pairs, *[o for o, _ in pairs], *params)

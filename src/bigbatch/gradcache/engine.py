@@ -36,6 +36,7 @@ from .lazy import LazyInits, skipping_inits
 from .model_state import ModelState, param_versions
 from .norms import fast_layer_norms, model_norms
 from .rng import RngState, cuda_devices_of, model_cuda_devices
+from . import walk
 from .wrappers import agree_no_plain_forward_pending, check_same_sync_count, own_ddp_forwards, sync_context
 
 
@@ -170,7 +171,7 @@ def grad_mode_dependent(model: nn.Module) -> bool:
       bitwise equal."""
     fastpath = getattr(getattr(torch.backends, "mha", None), "get_fastpath_enabled", lambda: True)()
     return any((fastpath and isinstance(m, nn.MultiheadAttention) and not m.training) or is_compiled(m)
-               for m in model.modules())
+               for m in walk.submodules(model))
 
 
 def is_compiled(module: nn.Module) -> bool:

@@ -49,6 +49,7 @@ from .lazy import LazyInits, skipping_inits
 from .model_state import ModelState, param_versions
 from .norms import fast_layer_norms, model_norms
 from .rng import RngState, cuda_devices_of
+from . import walk
 from .wrappers import check_not_fsdp, check_not_parametrize_cached
 
 Reps = Union[Tensor, Tuple[Tensor, ...]]
@@ -58,7 +59,7 @@ def _cuda_devices(args: Sequence[Any], kwargs: dict) -> List[int]:
     """CUDA devices whose generators the call may use: those of its tensors and modules, and every
     initialised device (the model may be reached through a closure rather than an argument)."""
     devices = cuda_devices_of(tensor_leaves(list(args)) + tensor_leaves(kwargs)
-                              + [p for a in args if isinstance(a, torch.nn.Module) for p in a.parameters()])
+                              + [p for a in args if isinstance(a, torch.nn.Module) for p in walk.parameters(a)])
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         devices = sorted(set(devices) | set(range(torch.cuda.device_count())))
     return devices
@@ -95,6 +96,7 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
     into the parameters (accumulating into ``.grad``)."""
 
     @functools.wraps(func)
+    @walk.walked
     def cache_func(*args: Any, **kwargs: Any):
         modules = _modules_in((args, kwargs))
         check_not_parametrize_cached(f"cached({func.__name__})", modules)
@@ -122,6 +124,7 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
         leaves = tuple(compact(t).requires_grad_(differentiable(t)) for t in first)
         spent = [False]
 
+        @walk.walked
         def forward_backward(cache_reps: Reps) -> None:
             reps_in = _as_tuple(cache_reps, "the closure's argument")
             if len(reps_in) != len(leaves):

@@ -24,6 +24,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from .hooks import forward_pre_hooks
 from .rng import RngState
+from . import walk
 
 
 def _pending(m: nn.Module) -> bool:
@@ -34,7 +35,7 @@ def _pending(m: nn.Module) -> bool:
 def _uninitialised(models: Sequence[nn.Module]) -> List[nn.Module]:
     seen: Dict[int, nn.Module] = {}
     for model in models:
-        for m in model.modules():
+        for m in walk.submodules(model):
             if _pending(m):
                 seen.setdefault(id(m), m)
     return list(seen.values())
@@ -84,7 +85,7 @@ def skipping_inits(models: Sequence[nn.Module], after: Dict[int, RngState]) -> I
         if state is not None:
             state.restore()
 
-    modules = {id(m): m for model in models for m in model.modules() if id(m) in todo}
+    modules = {id(m): m for model in models for m in walk.submodules(model) if id(m) in todo}
     with forward_pre_hooks([(m, jump, True) for m in modules.values()]):
         yield
 

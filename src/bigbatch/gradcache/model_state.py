@@ -21,10 +21,12 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
+from . import walk
+
 
 def param_versions(model: nn.Module) -> Dict[int, int]:
     """``id(parameter) -> version`` of ``model``'s parameters (inference tensors have none)."""
-    return {id(p): p._version for p in model.parameters() if _versioned(p)}
+    return {id(p): p._version for p in walk.parameters(model) if _versioned(p)}
 
 
 def _versioned(p: Tensor) -> bool:
@@ -40,9 +42,9 @@ class ModelState:
     again by every forward, the re-run's included, so it is not checked."""
 
     def __init__(self, model: nn.Module, before: Optional[Dict[int, int]] = None) -> None:
-        self.modes: List[Tuple[nn.Module, bool]] = [(m, m.training) for m in model.modules()]
+        self.modes: List[Tuple[nn.Module, bool]] = [(m, m.training) for m in walk.submodules(model)]
         self.params: List[Tuple[str, Tensor, int]] = [
-            (n, p, p._version) for n, p in model.named_parameters()
+            (n, p, p._version) for n, p in walk.named_parameters(model)
             if _versioned(p) and (before is None or before.get(id(p)) == p._version)]
 
     def check_params(self, what: str, during_backward: bool = False) -> None:

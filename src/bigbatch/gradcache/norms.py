@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._autograd import _compiling, batched, functorch_active, transformed
+from . import walk
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -143,7 +144,7 @@ def model_norms(model: nn.Module) -> List[nn.LayerNorm]:
 
     if not ENABLED or not isinstance(model, nn.Module):
         return []
-    modules = list(model.modules())
+    modules = walk.submodules(model)
     if any(map(is_compiled, modules)):
         return []
     return [m for m in modules if type(m) is nn.LayerNorm and isinstance(m.weight, Tensor)

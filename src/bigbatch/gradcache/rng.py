@@ -21,6 +21,8 @@ from typing import Any, Iterable, Iterator, List, Optional
 import torch
 from torch import Tensor, nn
 
+from . import walk
+
 
 def cuda_devices_of(tensors: Iterable[Tensor]) -> List[int]:
     """Sorted indices of the CUDA devices among ``tensors`` (empty without CUDA)."""
@@ -31,8 +33,8 @@ def model_cuda_devices(model: nn.Module) -> List[int]:
     """The CUDA devices holding any parameter or buffer of ``model`` -- a model split over GPUs
     (hand-made model parallel, ``device_map="auto"``) draws its dropout on each of them -- and
     those of every ``nn.DataParallel`` in it, whose replicas draw on theirs."""
-    devices = set(cuda_devices_of(itertools.chain(model.parameters(), model.buffers())))
-    for m in model.modules():
+    devices = set(cuda_devices_of(itertools.chain(walk.parameters(model), walk.buffers(model))))
+    for m in walk.submodules(model):
         if isinstance(m, nn.DataParallel):
             devices.update(d if isinstance(d, int) else torch.device(d).index for d in (m.device_ids or ()))
     return sorted(devices)

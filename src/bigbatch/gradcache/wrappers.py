@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Callable, ContextManager, Iterator, List, Sequence
+from typing import Callable, ContextManager, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from . import walk
 from .graph import graph_leaves
 
 DDP_SYNC_MODES = ("last_chunk", "every_chunk")
@@ -32,10 +33,10 @@ def is_ddp(model: nn.Module) -> bool:
     return isinstance(model, DistributedDataParallel)
 
 
-def ddp_modules(model: nn.Module) -> List[DistributedDataParallel]:
+def ddp_modules(model: nn.Module) -> Sequence[DistributedDataParallel]:
     """The DDP modules in ``model``: itself, or inside a wrapper (a per-input module around a
     shared DDP model)."""
-    return [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
+    return walk.memoised("ddp", model, lambda mod: [m for m in walk.submodules(mod) if isinstance(m, DistributedDataParallel)])
 
 
 @contextlib.contextmanager
@@ -191,7 +192,7 @@ def check_not_parametrize_cached(what: str, models: Sequence[nn.Module]) -> None
     from torch.nn.utils import parametrize
 
     if getattr(parametrize, "_cache_enabled", 0) and (not models or any(  # no module seen: it may close over one
-            parametrize.is_parametrized(m) for model in models for m in model.modules())):
+            parametrize.is_parametrized(m) for model in models for m in walk.submodules(model))):
         raise RuntimeError(f"{what} cannot run inside torch.nn.utils.parametrize.cached(): the weights cached "
                            "by its first, graph-free forward would give the parametrizations no gradient; call "
                            "it outside the cached() block")
@@ -222,7 +223,7 @@ def check_not_fsdp(model: nn.Module) -> None:
     if not kinds:
         return
     kinds_t = tuple(kinds)
-    for m in model.modules():
+    for m in walk.submodules(model):
         if isinstance(m, kinds_t):
             raise NotImplementedError(_FSDP_WHY.format(name=type(m).__name__))
 

@@ -1,0 +1,181 @@
+"""walk.py: a model's structure walked once per cached step.
+
+The memo (inside ``one_walk``) returns what ``modules()`` / ``parameters()`` / ``buffers()`` would,
+computed once; outside it every call walks afresh; ``forget`` drops it. ``fresh_submodules`` is
+``modules()``'s membership for any module tree (shared and ``None`` children, classes that walk
+themselves, TorchScript). And in a GradCache step the number of walks does not grow with the
+number of chunks (the host cost the memo removes)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+import bigbatch
+from bigbatch.gradcache import GradCache, cached_encode
+from bigbatch.gradcache import walk
+
+
+class _SelfWalking(nn.Module):
+    """Hides its second child from ``modules()`` (a class overriding the walk is walked by it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shown = nn.Linear(2, 2)
+        self.hidden = nn.Linear(2, 2)
+
+    def named_modules(self, memo=None, prefix="", remove_duplicate=True):
+        memo = set() if memo is None else memo
+        for name, m in (("", self), ("shown", self.shown)):
+            if m not in memo:
+                memo.add(m)
+                yield (prefix + ("." if prefix and name else "") + name), m
+
+
+def _trees():
+    shared = nn.Linear(3, 3)
+    seq = nn.Sequential(shared, nn.ReLU(), shared, nn.Sequential(nn.LayerNorm(3), shared))
+    seq.add_module("nothing", None)
+    other = nn.Sequential(shared, nn.Dropout())
+    odd = nn.Sequential(nn.Linear(2, 2), _SelfWalking())
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    return [[seq], [seq, other], [other, seq, seq], [odd], [scripted], [nn.Sequential(odd, scripted)]]
+
+
+def test_fresh_submodules_is_modules_membership():
+    for models in _trees():
+        expected = {}
+        for m in models:
+            for sub in m.modules():
+                expected.setdefault(id(sub), sub)
+        got = walk.fresh_submodules(models)
+        assert len(got) == len({id(m) for m in got}), "a module listed twice"
+        assert {id(m) for m in got} == set(expected), models
+
+
+def test_memo_inside_one_walk_only():
+    model = nn.Sequential(nn.Linear(2, 2))
+    assert walk.submodules(model) is not walk.submodules(model)  # outside: a fresh walk each time
+    with walk.one_walk():
+        first = walk.submodules(model)
+        assert walk.submodules(model) is first
+        assert walk.parameters(model) is walk.parameters(model)
+        assert [p for p in walk.parameters(model)] == list(model.parameters())
+        assert [n for n, _ in walk.named_parameters(model)] == [n for n, _ in model.named_parameters()]
+        with walk.one_walk():  # nested: the outer memo
+            assert walk.submodules(model) is first
+        model.add_module("late", nn.Linear(2, 2))
+        assert walk.submodules(model) is first  # memoised: the structure as first walked ...
+        walk.forget()
+        assert len(walk.submodules(model)) == len(list(model.modules())) == 3  # ... until forgotten
+        seen_by_thread = []
+        t = threading.Thread(target=lambda: seen_by_thread.append(walk.submodules(model) is walk.submodules(model)))
+        t.start()
+        t.join()
+        assert seen_by_thread == [False]  # the memo is per thread
+    assert walk.submodules(model) is not walk.submodules(model)
+
+
+def _count_walks(monkeypatch):
+    """Counts top-level ``named_modules`` walks (every ``modules()`` / ``parameters()`` /
+    ``buffers()`` starts one); the module's own recursion is not counted."""
+    calls = [0]
+    orig = nn.Module.named_modules
+
+    def counting(self, memo=None, prefix="", remove_duplicate=True):
+        if memo is None:
+            calls[0] += 1
+        return orig(self, memo, prefix, remove_duplicate)
+
+    monkeypatch.setattr(nn.Module, "named_modules", counting)
+    return calls
+
+
+def _encoder():
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Dropout(0.1), nn.GELU(), nn.Linear(16, 8))
+
+
+def test_walks_per_step_do_not_grow_with_chunks(monkeypatch):
+    torch.manual_seed(0)
+    mq, mp = _encoder(), _encoder()
+    x, y = torch.randn(32, 8), torch.randn(32, 8)
+    calls = _count_walks(monkeypatch)
+    per_step = []
+    for chunk in (16, 4, 2):
+        cache = GradCache([mq, mp], chunk_sizes=chunk, loss_fn=lambda a, b: bigbatch.clip_loss(a, b, 10.0))
+        cache(x, y)  # first step of this object (nothing per-object is planned with fixed sizes)
+        calls[0] = 0
+        cache(x, y)
+        per_step.append(calls[0])
+    # 2, 8 and 16 chunks per encoder: the same number of walks
+    assert per_step[0] == per_step[1] == per_step[2], per_step
+    assert per_step[0] <= 16, per_step
+
+    calls[0] = 0
+    loss = bigbatch.clip_loss(cached_encode(mq, x, 2), cached_encode(mp, y, 2), 10.0)
+    loss.backward()
+    few = calls[0]
+    calls[0] = 0
+    loss = bigbatch.clip_loss(cached_encode(mq, x, 16), cached_encode(mp, y, 16), 10.0)
+    loss.backward()
+    assert calls[0] == few, (few, calls[0])
+
+
+class _Counting(nn.Module):
+    """Registers a buffer in its first forward and counts its forwards in it (state a re-run must
+    not count twice), and scales by the count of an inner BatchNorm's batches (state it reads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        if "calls" not in self._buffers:
+            self.register_buffer("calls", torch.zeros(()))
+        self.calls += 1
+        return self.norm(self.lin(x)) * (1 + self.norm.num_batches_tracked.float() / 10)
+
+
+def test_memo_gives_the_unmemoised_step(monkeypatch):
+    """A step whose forward registers a buffer mid-step: gradients and final buffers with the memo
+    equal those with every walk made afresh (the memo is dropped when a forward changes the
+    structure, so pass 2's bookkeeping sees the new buffer)."""
+    results = []
+    for memo in (True, False):
+        torch.manual_seed(1)
+        model = _Counting()
+        x = torch.randn(12, 4)
+        with monkeypatch.context() as mp:
+            if not memo:
+                mp.setattr(walk, "memoised", lambda kind, module, compute: compute(module))
+            for _ in range(2):  # the second step starts with the buffer registered
+                GradCache([model], chunk_sizes=4, loss_fn=lambda a, b: bigbatch.clip_loss(a, b, 5.0))(x, x.flip(0))
+        results.append(([p.grad.clone() for p in model.parameters()], {k: v.clone() for k, v in model.state_dict().items()}))
+    (g1, s1), (g0, s0) = results
+    assert s1.keys() == s0.keys() and float(s1["calls"]) == 12.0  # 6 chunks' pass-1 forwards, twice; no re-run counted
+    for k in s0:
+        torch.testing.assert_close(s1[k], s0[k], rtol=0, atol=0)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_forward_that_attaches_a_module_drops_the_memo():
+    """buffers.py walks afresh after each pass-1 forward; when that walk finds a module or buffer
+    the memo lacks, later walks of the step see the new structure."""
+    from bigbatch.gradcache.buffers import BufferStates, recording
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    with walk.one_walk():
+        states = BufferStates([model])
+        before = walk.submodules(model)
+        with recording(states, [model]):
+            model.add_module("attached", nn.BatchNorm1d(2))  # what a forward building on first use does
+        after = walk.submodules(model)
+        assert after is not before and len(after) == len(before) + 1
+        assert len(walk.buffers(model)) == 3  # the new norm's running statistics and batch counter
+        with recording(states, [model]):  # nothing new: the memo stays
+            pass
+        assert walk.submodules(model) is after
