@@ -42,20 +42,23 @@ def _fusable(model: nn.Module, params: List[nn.Parameter]) -> bool:
 
 def _merge(params: List[nn.Parameter], old: List[Optional[Tensor]]) -> None:
     """``p.grad = old + (what the backward accumulated since)`` for every parameter; in place in
-    ``old`` where both are dense tensors of one device and dtype (fused), else per parameter."""
+    ``old`` where both are dense tensors of one dtype (fused), else per parameter. Both are on the
+    parameter's device: ``.grad``'s setter and autograd's checks of a backward's outputs ensure it.
+    (A loop over every parameter per chunk: its checks are identity tests, ~0.2 us each.)"""
     fused_old: List[Tensor] = []
     fused_new: List[Tensor] = []
+    strided = torch.strided
     for p, o in zip(params, old):
         n = p.grad
         if o is None:
             continue  # the new gradient (or None) is the whole gradient
         if n is None:
             p.grad = o
-        elif o.layout == n.layout == torch.strided and o.device == n.device and o.dtype == n.dtype:
+        elif o.layout is strided and n.layout is strided and o.dtype is n.dtype:
             fused_old.append(o)
             fused_new.append(n)
             p.grad = o
-        else:  # sparse gradients, or a dtype/device mix: as AccumulateGrad would, out of place
+        else:  # sparse gradients (or a dtype mix): as AccumulateGrad would, out of place
             p.grad = o + n
     if fused_old:
         torch._foreach_add_(fused_old, fused_new)

@@ -170,8 +170,13 @@ def grad_mode_dependent(model: nn.Module) -> bool:
       gradient). In grad mode, pass 1 and the re-run run one graph under one random state:
       bitwise equal."""
     fastpath = getattr(getattr(torch.backends, "mha", None), "get_fastpath_enabled", lambda: True)()
-    return any((fastpath and isinstance(m, nn.MultiheadAttention) and not m.training) or is_compiled(m)
-               for m in walk.submodules(model))
+    mhas = walk.memoised("mha", model, lambda mod: [m for m in walk.submodules(mod) if isinstance(m, nn.MultiheadAttention)])
+    return any(fastpath and not m.training for m in mhas) or has_compiled_part(model)
+
+
+def has_compiled_part(model: nn.Module) -> bool:
+    """Whether a module of ``model`` is compiled (:func:`is_compiled`); once per step (``walk.py``)."""
+    return walk.memoised("compiled", model, lambda mod: any(map(is_compiled, walk.submodules(mod))))
 
 
 def is_compiled(module: nn.Module) -> bool:

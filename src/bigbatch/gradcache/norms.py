@@ -140,14 +140,13 @@ def model_norms(model: nn.Module) -> List[nn.LayerNorm]:
     (exact type: a subclass may override ``forward``; a parametrized one is a subclass) with a CUDA
     weight, whose ``forward`` is not set on the instance already (accelerate's device hooks do).
     None in a model with a ``torch.compile``'d part (the compiled graph has fused norms of its own)."""
-    from .engine import is_compiled
+    from .engine import has_compiled_part
 
     if not ENABLED or not isinstance(model, nn.Module):
         return []
-    modules = walk.submodules(model)
-    if any(map(is_compiled, modules)):
+    if has_compiled_part(model):
         return []
-    return [m for m in modules if type(m) is nn.LayerNorm and isinstance(m.weight, Tensor)
+    return [m for m in walk.submodules(model) if type(m) is nn.LayerNorm and isinstance(m.weight, Tensor)
             and on_kernel_device(m.weight) and "forward" not in m.__dict__]
 
 

@@ -1,0 +1,105 @@
+"""Interleaved A/B in one process: the cached step with its structure walks memoised per step
+(``gradcache/walk.py``, the library's default) against every walk made afresh (the code before it:
+``modules()`` / ``parameters()`` at each use, ~40 walks per step plus two per chunk).
+
+The setting of ``bigbatch.bench.gradcache`` (BERT-base dual encoder, bf16 autocast, 16 GiB budget).
+Per batch size: the full step's median, then rounds that alternate the two arms step by step
+(CUDA-event time and host issue time of each step), and one profiled step per arm (GPU busy time,
+idle inside the step). Writes JSON.
+
+    python experiments/gradcache_walk_ab.py --batches 512 1024 2048 --out /tmp/walk_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+from typing import Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gradcache_bimodal_probe import steps  # noqa: E402
+from gradcache_idle_probe import busy  # noqa: E402
+
+from bigbatch.bench.common import hardware  # noqa: E402
+from bigbatch.bench.gradcache import DualEncoder, _inputs, _rep  # noqa: E402
+from bigbatch.gradcache import GradCache, walk  # noqa: E402
+
+
+def _walk_every_time(models) -> List[torch.nn.Module]:
+    out: Dict[int, torch.nn.Module] = {}
+    for model in models:
+        for m in model.modules():
+            out.setdefault(id(m), m)
+    return list(out.values())
+
+
+@contextlib.contextmanager
+def unmemoised():
+    """The walks as before walk.py: computed at every use."""
+    saved = walk.memoised, walk.fresh_submodules
+    walk.memoised = lambda kind, module, compute: compute(module)
+    walk.fresh_submodules = _walk_every_time
+    try:
+        yield
+    finally:
+        walk.memoised, walk.fresh_submodules = saved
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--batches", type=int, nargs="+", default=[512, 1024, 2048])
+    p.add_argument("--rounds", type=int, default=8)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    setup = DualEncoder(dev)
+    mq, mp, cfg, loss_fn = setup.mq, setup.mp, setup.cfg, setup.loss_fn
+    amp = dict(device_type="cuda", dtype=torch.bfloat16)
+    res = {"hardware": hardware(), "env": {"PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED")}, "rows": []}
+    for b in args.batches:
+        qi = _inputs(b, 32, cfg.vocab_size, dev, 10 + b)
+        pi = _inputs(b, 128, cfg.vocab_size, dev, 20 + b)
+
+        def full():
+            with torch.autocast(**amp):
+                loss = loss_fn(_rep(mq(**qi)), _rep(mp(**pi)))
+            loss.backward()
+
+        bb = GradCache([mq, mp], memory_budget="16GiB", loss_fn=loss_fn, get_rep_fn=_rep, autocast_dtype=torch.bfloat16)
+        steps(full, 2)
+        full_ms, _ = steps(full, 5)
+        arms = {"memo": contextlib.nullcontext, "every_time": unmemoised}
+        for ctx in arms.values():
+            with ctx():
+                steps(lambda: bb(qi, pi), 2)
+        got = {name: {"ms": [], "issue_ms": []} for name in arms}
+        for _ in range(args.rounds):
+            for name, ctx in arms.items():
+                with ctx():
+                    ms, issue = steps(lambda: bb(qi, pi), 1)
+                got[name]["ms"] += ms
+                got[name]["issue_ms"] += issue
+        row = {"batch": b, "full_ms": statistics.median(full_ms), "full_times_ms": full_ms,
+               "plan": [list(r) for r in bb.last_chunk_rows], "kept_rows": list(bb.last_kept_rows)}
+        for name, ctx in arms.items():
+            with ctx():
+                prof = busy(lambda: bb(qi, pi))
+            row[name] = {"median_ms": statistics.median(got[name]["ms"]), "over_full": statistics.median(got[name]["ms"]) / row["full_ms"],
+                         "issue_median_ms": statistics.median(got[name]["issue_ms"]), **got[name],
+                         "busy_ms": prof["busy_ms"], "idle_in_span_ms": prof["idle_in_span_ms"], "kernels": prof["kernels"]}
+        res["rows"].append(row)
+        print(f"B={b} full {row['full_ms']:.1f} | " + " | ".join(
+            f"{n} {row[n]['median_ms']:.1f} ({row[n]['over_full']:.3f}) issue {row[n]['issue_median_ms']:.1f} busy {row[n]['busy_ms']:.1f}"
+            for n in arms), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
