@@ -1,13 +1,18 @@
-"""Interleaved A/B in one process: the cached step with its structure walks memoised per step
-(``gradcache/walk.py``, the library's default) against every walk made afresh (the code before it:
-``modules()`` / ``parameters()`` at each use, ~40 walks per step plus two per chunk).
+"""Interleaved A/B in one process of library switches in the cached step (``--arms``):
+
+* ``memo``: the library as it is (every switch on);
+* ``every_time``: the structure walks made afresh at every use, as before ``gradcache/walk.py``
+  (``modules()`` / ``parameters()`` at each use, ~40 walks per step plus two per chunk);
+* ``pytorch_norms``: PyTorch's LayerNorm backward instead of the one-pass kernel
+  (``gradcache/norms.py``'s ``ENABLED`` off): on a host-bound step the kernel's Python autograd
+  Function costs host time while it saves GPU time.
 
 The setting of ``bigbatch.bench.gradcache`` (BERT-base dual encoder, bf16 autocast, 16 GiB budget).
-Per batch size: the full step's median, then rounds that alternate the two arms step by step
+Per batch size: the full step's median, then rounds that alternate the arms step by step
 (CUDA-event time and host issue time of each step), and one profiled step per arm (GPU busy time,
 idle inside the step). Writes JSON.
 
-    python experiments/gradcache_walk_ab.py --batches 512 1024 2048 --out /tmp/walk_ab.json
+    python experiments/gradcache_switch_ab.py --batches 512 1024 2048 --arms memo every_time --out /tmp/ab.json
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from gradcache_idle_probe import busy  # noqa: E402
 
 from bigbatch.bench.common import hardware  # noqa: E402
 from bigbatch.bench.gradcache import DualEncoder, _inputs, _rep  # noqa: E402
-from bigbatch.gradcache import GradCache, walk  # noqa: E402
+from bigbatch.gradcache import GradCache, norms, walk  # noqa: E402
 
 
 def _walk_every_time(models) -> List[torch.nn.Module]:
@@ -51,11 +56,25 @@ def unmemoised():
         walk.memoised, walk.fresh_submodules = saved
 
 
+@contextlib.contextmanager
+def pytorch_norms():
+    """LayerNorm's backward by PyTorch (no swap to the one-pass kernel)."""
+    norms.ENABLED = False
+    try:
+        yield
+    finally:
+        norms.ENABLED = True
+
+
+ARMS = {"memo": contextlib.nullcontext, "every_time": unmemoised, "pytorch_norms": pytorch_norms}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--batches", type=int, nargs="+", default=[512, 1024, 2048])
     p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--arms", nargs="+", default=["memo", "every_time"], choices=sorted(ARMS))
     args = p.parse_args()
     dev = torch.device("cuda")
     setup = DualEncoder(dev)
@@ -74,7 +93,7 @@ def main() -> None:
         bb = GradCache([mq, mp], memory_budget="16GiB", loss_fn=loss_fn, get_rep_fn=_rep, autocast_dtype=torch.bfloat16)
         steps(full, 2)
         full_ms, _ = steps(full, 5)
-        arms = {"memo": contextlib.nullcontext, "every_time": unmemoised}
+        arms = {name: ARMS[name] for name in args.arms}
         for ctx in arms.values():
             with ctx():
                 steps(lambda: bb(qi, pi), 2)
