@@ -74,13 +74,13 @@ def full_step(setup, b: int, device):
 
 def switched(gc, switch, on: bool, *inputs):
     """A cached step ``gc(*inputs)`` run with the library's module switch ``switch.ENABLED = on``
-    (accumulate, norms), set back on afterwards: one side of an A/B."""
+    (accumulate, norms), set back to its value before afterwards: one side of an A/B."""
     def step():
-        switch.ENABLED = on
+        saved, switch.ENABLED = switch.ENABLED, on
         try:
             gc(*inputs)
         finally:
-            switch.ENABLED = True
+            switch.ENABLED = saved
     return step
 
 

@@ -58,9 +58,9 @@ def main() -> None:
         row = {"loss": "benchmark (raw features)" if sharp else "normalised features", "loss_fp64": ref_loss}
         for amp in (None, torch.bfloat16):
             for on in (False, True):
-                norms.ENABLED = on
+                saved, norms.ENABLED = norms.ENABLED, on
                 g, l = step(setup.mq, setup.mp, setup.logit_scale, amp, sharp)
-                norms.ENABLED = True
+                norms.ENABLED = saved
                 key = f"{'fp32' if amp is None else 'bf16'}_{'kernel' if on else 'pytorch'}"
                 row[key] = {"grad_rel_err_vs_fp64": ((g - ref).norm() / ref.norm()).item(), "loss": l}
                 row.setdefault("_g", {})[key] = g

@@ -1,11 +1,11 @@
 """Interleaved A/B in one process of library switches in the cached step (``--arms``):
 
-* ``memo``: the library as it is (every switch on);
+* ``memo``: the library as it is (its defaults);
 * ``every_time``: the structure walks made afresh at every use, as before ``gradcache/walk.py``
   (``modules()`` / ``parameters()`` at each use, ~40 walks per step plus two per chunk);
-* ``pytorch_norms``: PyTorch's LayerNorm backward instead of the one-pass kernel
-  (``gradcache/norms.py``'s ``ENABLED`` off): on a host-bound step the kernel's Python autograd
-  Function costs host time while it saves GPU time.
+* ``pytorch_norms`` / ``norm_kernel``: PyTorch's LayerNorm backward / the one-pass kernel
+  (``gradcache/norms.py``'s ``ENABLED`` off / on; off by default since session 19): on a
+  host-bound step the kernel's Python autograd Function costs host time while it saves GPU time.
 
 The setting of ``bigbatch.bench.gradcache`` (BERT-base dual encoder, bf16 autocast, 16 GiB budget).
 Per batch size: the full step's median, then rounds that alternate the arms step by step
@@ -57,16 +57,17 @@ def unmemoised():
 
 
 @contextlib.contextmanager
-def pytorch_norms():
-    """LayerNorm's backward by PyTorch (no swap to the one-pass kernel)."""
-    norms.ENABLED = False
+def norms_switched(on: bool):
+    """LayerNorm's backward by the one-pass kernel (on) or by PyTorch (off)."""
+    saved, norms.ENABLED = norms.ENABLED, on
     try:
         yield
     finally:
-        norms.ENABLED = True
+        norms.ENABLED = saved
 
 
-ARMS = {"memo": contextlib.nullcontext, "every_time": unmemoised, "pytorch_norms": pytorch_norms}
+ARMS = {"memo": contextlib.nullcontext, "every_time": unmemoised,
+        "pytorch_norms": lambda: norms_switched(False), "norm_kernel": lambda: norms_switched(True)}
 
 
 def main() -> None:

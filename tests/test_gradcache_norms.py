@@ -35,6 +35,7 @@ def cpu_kernel(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(norms, "on_kernel_device", lambda t: t.device.type == TRITON_DEVICE)
+    monkeypatch.setattr(norms, "ENABLED", True)  # (opt-in)
     monkeypatch.setattr(norm_kernel, "layer_norm_backward", counted)
     return calls
 
@@ -352,10 +353,11 @@ def _bert(device, dropout=0.2):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_autocast_swap_is_the_module_forward(dtype):
+def test_cuda_autocast_swap_is_the_module_forward(dtype, monkeypatch):
     """Under CUDA autocast the swapped forward gives the module's own output bitwise (autocast's
     fp32 policy for layer_norm applies inside the Function as outside), and gradients within
     rounding of float64's."""
+    monkeypatch.setattr(norms, "ENABLED", True)  # (opt-in)
     ln = nn.LayerNorm(768).cuda()
     nn.init.normal_(ln.weight, 1.0, 0.2)
     nn.init.normal_(ln.bias, 0.0, 0.2)

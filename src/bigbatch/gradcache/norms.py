@@ -132,7 +132,13 @@ class OnePassLayerNorm(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
-ENABLED = True  # module switch, for A/B measurements (experiments/); the library leaves it on
+# Off by default (opt in: ``bigbatch.gradcache.norms.ENABLED = True``). The kernel saves GPU time
+# (~25 ms of a 2,048-row BERT step's 750 on an H200), but its Python autograd Function and Triton
+# launch cost host time per LayerNorm call, and on the benchmark's host the cached step is
+# host-bound: in session 19's interleaved A/Bs the step was 10-60 ms *slower* with it at B = 512
+# and 2,048 (~equal at 1,024); session 18's, on another machine, 13-19 ms faster.
+# experiments/gradcache_switch_ab.py, benchmarks/results/probes/gradcache_norms_ab_s19_*.json.
+ENABLED = False
 
 
 def model_norms(model: nn.Module) -> List[nn.LayerNorm]:
