@@ -1,4 +1,6 @@
 """LayerNorm with a one-pass backward (``norm_kernel.py``) for the chunks gradient caching back-propagates.
+Opt-in (``ENABLED``, below): it saves GPU time but costs host time, and the benchmark's cached step
+is host-bound on its H200 host.
 
 At a 16 GiB budget the BERT-base benchmark's chunks are ~32k tokens, where PyTorch's LayerNorm
 weight-gradient kernel runs far below memory bandwidth (docs/gradcache.md, "Where the rest goes").
