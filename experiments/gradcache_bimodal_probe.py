@@ -23,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gradcache_idle_probe import busy  # noqa: E402  (an experiment next to this one)
+from gradcache_idle_probe import busy, steps  # noqa: E402  (an experiment next to this one)
 
 from bigbatch.bench.common import hardware  # noqa: E402
 from bigbatch.bench.gradcache import DualEncoder, _inputs, _rep  # noqa: E402
@@ -35,20 +35,6 @@ COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_syn
 def _cpu_now() -> int:
     with open("/proc/self/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[36])  # field 39: the CPU last run on
-
-
-def steps(fn, n):
-    ms, issue = [], []
-    for _ in range(n):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        t0 = time.perf_counter()
-        fn()
-        issue.append((time.perf_counter() - t0) * 1e3)
-        e.record()
-        torch.cuda.synchronize()
-        ms.append(s.elapsed_time(e))
-    return ms, issue
 
 
 def main() -> None:

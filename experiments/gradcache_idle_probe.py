@@ -33,11 +33,10 @@ from bigbatch.gradcache import GradCache
 from bigbatch.gradcache.chunking import split_batch
 
 
-def timed(fn, repeat=3):
-    fn()
-    torch.cuda.synchronize()
+def steps(fn, n):
+    """CUDA-event times and host issue times (until the call returns) of ``n`` calls, in ms."""
     times, issue = [], []
-    for _ in range(repeat):
+    for _ in range(n):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         t0 = time.perf_counter()
@@ -46,6 +45,13 @@ def timed(fn, repeat=3):
         e.record()
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e))
+    return times, issue
+
+
+def timed(fn, repeat=3):
+    fn()
+    torch.cuda.synchronize()
+    times, issue = steps(fn, repeat)
     return {"ms": statistics.median(times), "issue_ms": statistics.median(issue)}
 
 

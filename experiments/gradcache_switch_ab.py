@@ -28,8 +28,7 @@ from typing import Dict, List
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gradcache_bimodal_probe import steps  # noqa: E402
-from gradcache_idle_probe import busy  # noqa: E402
+from gradcache_idle_probe import busy, steps  # noqa: E402
 
 from bigbatch.bench.common import hardware  # noqa: E402
 from bigbatch.bench.gradcache import DualEncoder, _inputs, _rep  # noqa: E402
