@@ -13,6 +13,7 @@ intervals), idle time inside the step, kernel count and the host's issue time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -76,12 +77,20 @@ def switched(gc, switch, on: bool, *inputs):
     """A cached step ``gc(*inputs)`` run with the library's module switch ``switch.ENABLED = on``
     (accumulate, norms), set back to its value before afterwards: one side of an A/B."""
     def step():
-        saved, switch.ENABLED = switch.ENABLED, on
-        try:
+        with switch_set(switch, on):
             gc(*inputs)
-        finally:
-            switch.ENABLED = saved
     return step
+
+
+@contextlib.contextmanager
+def switch_set(switch, on: bool):
+    """The library's module switch ``switch.ENABLED`` (accumulate, norms) set to ``on`` for the
+    block, then back to its value before."""
+    saved, switch.ENABLED = switch.ENABLED, on
+    try:
+        yield
+    finally:
+        switch.ENABLED = saved
 
 
 def ab_setup(name: str, batches, rounds: int, repeat: int, budget: bool = False):

@@ -22,6 +22,8 @@ from bigbatch.bench.common import hardware
 from bigbatch.bench.gradcache import DualEncoder, _inputs, _rep
 from bigbatch.gradcache import GradCache, norms
 
+from gradcache_fused_ab import switch_set  # (an experiment next to this one)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -58,9 +60,8 @@ def main() -> None:
         row = {"loss": "benchmark (raw features)" if sharp else "normalised features", "loss_fp64": ref_loss}
         for amp in (None, torch.bfloat16):
             for on in (False, True):
-                saved, norms.ENABLED = norms.ENABLED, on
-                g, l = step(setup.mq, setup.mp, setup.logit_scale, amp, sharp)
-                norms.ENABLED = saved
+                with switch_set(norms, on):
+                    g, l = step(setup.mq, setup.mp, setup.logit_scale, amp, sharp)
                 key = f"{'fp32' if amp is None else 'bf16'}_{'kernel' if on else 'pytorch'}"
                 row[key] = {"grad_rel_err_vs_fp64": ((g - ref).norm() / ref.norm()).item(), "loss": l}
                 row.setdefault("_g", {})[key] = g

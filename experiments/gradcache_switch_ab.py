@@ -28,6 +28,7 @@ from typing import Dict, List
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gradcache_fused_ab import switch_set  # noqa: E402
 from gradcache_idle_probe import busy, steps  # noqa: E402
 
 from bigbatch.bench.common import hardware  # noqa: E402
@@ -55,18 +56,8 @@ def unmemoised():
         walk.memoised, walk.fresh_submodules = saved
 
 
-@contextlib.contextmanager
-def norms_switched(on: bool):
-    """LayerNorm's backward by the one-pass kernel (on) or by PyTorch (off)."""
-    saved, norms.ENABLED = norms.ENABLED, on
-    try:
-        yield
-    finally:
-        norms.ENABLED = saved
-
-
 ARMS = {"memo": contextlib.nullcontext, "every_time": unmemoised,
-        "pytorch_norms": lambda: norms_switched(False), "norm_kernel": lambda: norms_switched(True)}
+        "pytorch_norms": lambda: switch_set(norms, False), "norm_kernel": lambda: switch_set(norms, True)}
 
 
 def main() -> None:

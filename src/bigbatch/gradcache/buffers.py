@@ -24,7 +24,7 @@ one forward over the whole batch (no chunked scheme's are).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -266,24 +266,25 @@ class BufferStates:
             if (now is not was or v_now != v_was) and i not in self.changing:
                 self.changing[i] = None  # its value before this and every earlier chunk: ``initial``
         self._watch(models)
-        subs, unseen = self._unseen_buffers()
+        self._module_ids, unseen = self._unseen_buffers()
         for mod, name in unseen:  # registered by this forward: absent before it
             self.slots.append((mod, "_buffers", name))
             self.originals.append(None)
             self.initial.append(ABSENT)
             self.changing[len(self.slots) - 1] = None
-        self._module_ids = {id(m) for m in subs}
         self._marks = []
 
-    def _unseen_buffers(self) -> Tuple[List[nn.Module], List[Tuple[nn.Module, str]]]:
-        """Every submodule (one fresh walk), and the ``(module, name)`` of each buffer without a slot
-        yet. Either changed by a forward: the step's memoised walks are dropped (``walk.forget``)."""
+    def _unseen_buffers(self) -> Tuple[Set[int], List[Tuple[nn.Module, str]]]:
+        """The ids of every submodule (one fresh walk), and the ``(module, name)`` of each buffer
+        without a slot yet. Either changed by a forward: the step's memoised walks are dropped
+        (``walk.forget``)."""
         known = {(id(m), n) for m, store, n in self.slots if store == "_buffers"}
         subs = _submodules(self.modules, fresh=True)
         unseen = [(mod, name) for mod in subs for name in list(mod._buffers.keys()) if (id(mod), name) not in known]
-        if unseen or len(subs) != len(self._module_ids) or any(id(m) not in self._module_ids for m in subs):
+        ids = {id(m) for m in subs}
+        if unseen or ids != self._module_ids:
             walk.forget()
-        return subs, unseen
+        return ids, unseen
 
     def _watch(self, models: Sequence[nn.Module]) -> None:
         """After a model's first chunk: which frozen parameters did its forward write, and -- when

@@ -65,8 +65,6 @@ class Unit:
     lazy_after: Optional[Dict[int, RngState]] = None
     # its model's modes and parameter versions at the end of pass 1 (model_state.py)
     state: Optional[ModelState] = None
-    # its model's LayerNorms that run the one-pass backward kernel while it builds a graph (norms.py)
-    norms: Sequence[nn.Module] = ()
 
 
 @dataclass
@@ -281,9 +279,6 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
     models = _distinct([u.model for u in units])
     states = BufferStates(models)
     versions = {id(m): param_versions(m) for m in models}
-    norms = {id(m): model_norms(m) for m in models}
-    for u in units:
-        u.norms = norms[id(u.model)]
     for i in range(n_inputs):
         mine = [u for u in units if u.input_index == i]
         if not mine:
@@ -300,7 +295,7 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
         # kept graph must reach back through its chunk's copy to inputs that require grad (each
         # chunk's forward sets its own grad mode).
         copies_in_graph = torch.enable_grad() if any(u.keep for u in mine) else contextlib.nullcontext()
-        with amp(), copies_in_graph, fast_layer_norms(mine[0].norms):
+        with amp(), copies_in_graph, fast_layer_norms(model_norms(mine[0].model)):
             for u, chunk in zip(mine, staged([u.chunk for u in mine], device, opts.offload_inputs)):
                 written = Written(u.chunk)
                 with recording(states, [u.model]) as record, _one_row_chunk_hint(u, len(mine)):
@@ -382,7 +377,7 @@ def backprop_kept(units: Sequence[Unit], slices: Dict[int, Tensor], opts: Engine
         rep, u.kept_rep = u.kept_rep, None
         if k in slices:
             sent += 1
-            with sync_context(u.ddps, sync=False)(), GradAccumulation(u.model).chunk(), fast_layer_norms(u.norms):
+            with sync_context(u.ddps, sync=False)(), GradAccumulation(u.model).chunk(), fast_layer_norms(model_norms(u.model)):
                 graphs += _send(rep, slices[k], opts)
         del rep
     return sent, graphs
@@ -430,7 +425,7 @@ def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tens
     # in their pass-1 modes (a model.eval() before cached_encode's backward changes nothing).
     modes = units[rerun[0]].state.modes_restored() if units[rerun[0]].state is not None else contextlib.nullcontext()
     agreed = False
-    with amp(), modes, fast_layer_norms(units[rerun[0]].norms):
+    with amp(), modes, fast_layer_norms(model_norms(model)):
         for n, (k, chunk) in enumerate(zip(rerun, staged([units[k].chunk for k in rerun], device, opts.offload_inputs))):
             u = units[k]
             sync = n == len(rerun) - 1 or opts.ddp_sync == "every_chunk"
