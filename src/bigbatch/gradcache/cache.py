@@ -17,6 +17,7 @@ gradients per input, plus what the loss needs. Work: one extra forward per re-ru
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -28,7 +29,8 @@ from .budget import ChunkProber, MemoryArg, in_use_at_start, offloads, parse_mem
 from .chunking import batch_size, check_offload_target, chunk_rows, differentiable, model_device, pin, split_chunks
 from .engine import EngineOptions, Unit, autocast_state, backprop, encode, finalize_plan
 from .inputs import backward_into_originals, inputs_require_grad, with_boundaries
-from . import walk
+from . import cast_scope, walk
+from .cast_scope import CastScope
 from .wrappers import (DDP_SYNC_MODES, check_loss_params_outside_ddp, check_not_fsdp, check_not_parametrize_cached,
                        ddp_modules, is_model_list, warn_user)
 
@@ -361,8 +363,10 @@ class GradCache:
         finalize_plan(units)
         self.last_chunk_sizes, self.last_kept = sizes, sum(u.keep for u in units)
         opts = EngineOptions(self._rep_fn(), self.autocast_dtype, self.offload_inputs, self.offload_reps, ddp_sync)
+        # one autocast context from the last model of pass 1 into its re-runs (cast_scope.py)
+        scope = CastScope() if self.autocast_dtype is not None and cast_scope.ENABLED else None
         try:
-            reps = encode(units, opts, len(inputs))
+            reps = encode(units, opts, len(inputs), scope)
             # an input whose representation required grad without a registered trainable parameter
             # (engine.EngineOptions.detect_hidden) is trained after all
             trainable = [t or any(u.rerun for u in units if u.input_index == i) for i, t in enumerate(trainable)]
@@ -391,14 +395,15 @@ class GradCache:
             # the re-runs, so the loss's backward keeps it (and, with it, the loss's own saved
             # tensors, until the step returns)
             retain = bool(boundaries) or any(u.hidden for u in units)
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward(retain_graph=retain)
+            with scope.suspended() if scope is not None else contextlib.nullcontext():
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward(retain_graph=retain)
             grads, loss = [leaf.grad for leaf in leaves], loss.detach()
             if self.offload_reps:
                 # the plan counts neither R nor G on the device: both leave it before the re-runs (the
                 # loss's graph, dropped above, held the leaves through its AccumulateGrad nodes)
                 grads = [None if g is None else g.to("cpu") for g in grads]
                 del reps, leaves
-            sent, graphs = backprop(units, grads, opts)
+            sent, graphs = backprop(units, grads, opts, scope)
             del grads
             if sent and not graphs:  # a plain step would train the loss's own parameters only, or fail
                 warn_user(
@@ -407,6 +412,8 @@ class GradCache:
                     "the encoders got no gradient")
             backward_into_originals(boundaries)
         finally:
+            if scope is not None:
+                scope.close()
             for u in units:  # never leave a kept graph alive after an error
                 u.kept_rep = None
         return loss

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from .accumulate import GradAccumulation
 from .buffers import BufferStates, buffers_restored, recording, restoring
+from .cast_scope import CastScope
 from .chunking import call_model, check_not_detached, model_device, staged, tensor_leaves
 from .lazy import LazyInits, skipping_inits
 from .model_state import ModelState, param_versions
@@ -273,8 +274,14 @@ def _one_row_chunk_hint(u: Unit, n_chunks: int) -> Iterator[None]:
         raise
 
 
-def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Tensor]:
-    """Pass 1. Returns one detached (B_i, ...) representation tensor per input, on the model's device."""
+def _amp_for(scope: Optional[CastScope], model: nn.Module, device: torch.device, amp: Callable[[], Any]) -> Any:
+    """``amp()``, or the scope's context for ``model`` (left open on exit)."""
+    return amp() if scope is None else scope.around(model, device, amp)
+
+
+def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int, scope: Optional[CastScope] = None) -> List[Tensor]:
+    """Pass 1. Returns one detached (B_i, ...) representation tensor per input, on the model's device.
+    ``scope``: the autocast contexts are the scope's, and the last one is left open."""
     per_input: List[List[Tensor]] = [[] for _ in range(n_inputs)]
     models = _distinct([u.model for u in units])
     states = BufferStates(models)
@@ -288,14 +295,15 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int) -> List[Te
         devices = model_cuda_devices(mine[0].model)
         mirror = pass_one_in_grad_mode([mine[0].model], opts.get_rep)
         lazy = LazyInits([mine[0].model])  # empty once materialised (after the first step)
-        # One autocast context for all chunks of this input: autocast casts each fp32 weight to
-        # half once per context, so the chunks share one cast (one ~2-bytes-per-parameter copy kept
-        # for the pass) instead of re-casting every weight per chunk. With a kept chunk, the copies
+        # One autocast context for all chunks of this input (with a scope: of consecutive inputs of
+        # one model, and on into pass 2): autocast casts each fp32 weight to half once per context,
+        # so the chunks share one cast (one ~2-bytes-per-parameter copy kept for the pass) instead
+        # of re-casting every weight per chunk. With a kept chunk, the copies
         # to the model's device are made in grad mode (cached_encode runs pass 1 under no_grad): a
         # kept graph must reach back through its chunk's copy to inputs that require grad (each
         # chunk's forward sets its own grad mode).
         copies_in_graph = torch.enable_grad() if any(u.keep for u in mine) else contextlib.nullcontext()
-        with amp(), copies_in_graph, fast_layer_norms(model_norms(mine[0].model)):
+        with _amp_for(scope, mine[0].model, device, amp), copies_in_graph, fast_layer_norms(model_norms(mine[0].model)):
             for u, chunk in zip(mine, staged([u.chunk for u in mine], device, opts.offload_inputs)):
                 written = Written(u.chunk)
                 with recording(states, [u.model]) as record, _one_row_chunk_hint(u, len(mine)):
@@ -366,50 +374,60 @@ def _send(rep: Tensor, grad: Tensor, opts: EngineOptions, retain: bool = False) 
     return 1
 
 
-def backprop_kept(units: Sequence[Unit], slices: Dict[int, Tensor], opts: EngineOptions) -> Tuple[int, int]:
+def backprop_kept(units: Sequence[Unit], slices: Dict[int, Tensor], opts: EngineOptions,
+                  scope: Optional[CastScope] = None) -> Tuple[int, int]:
     """Back-propagate (and free) every kept graph. Runs before any chunk is re-run, so kept
     activations never coexist with a re-run chunk's forward + backward. Returns (chunks with a
-    gradient, of those with a graph)."""
+    gradient, of those with a graph). Autocast is off for the backward inside a scope's context."""
     sent = graphs = 0
+    no_amp = scope.suspended if scope is not None else contextlib.nullcontext
     for k, u in enumerate(units):
         if not u.keep:
             continue
         rep, u.kept_rep = u.kept_rep, None
         if k in slices:
             sent += 1
-            with sync_context(u.ddps, sync=False)(), GradAccumulation(u.model).chunk(), fast_layer_norms(model_norms(u.model)):
+            with sync_context(u.ddps, sync=False)(), GradAccumulation(u.model).chunk(), \
+                    fast_layer_norms(model_norms(u.model)), no_amp():
                 graphs += _send(rep, slices[k], opts)
         del rep
     return sent, graphs
 
 
-def rerun_groups(units: Sequence[Unit], slices: Dict[int, Tensor]) -> List[List[int]]:
-    """The units to re-run, grouped by model in order of first use."""
+def rerun_groups(units: Sequence[Unit], slices: Dict[int, Tensor], first: Optional[nn.Module] = None) -> List[List[int]]:
+    """The units to re-run, grouped by model in order of first use; ``first``'s group (the model
+    whose autocast context is open) first."""
     order: Dict[int, List[int]] = {}
     for k, u in enumerate(units):
         if not u.keep and k in slices:
             order.setdefault(id(u.model), []).append(k)
-    return list(order.values())
+    groups = list(order.values())
+    if first is not None:
+        groups.sort(key=lambda g: units[g[0]].model is not first)  # stable: the others keep their order
+    return groups
 
 
-def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: EngineOptions) -> Tuple[int, int]:
+def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: EngineOptions,
+             scope: Optional[CastScope] = None) -> Tuple[int, int]:
     """Pass 2. ``grads[i]`` is d(loss)/d(representation of input i), (B_i, ...), or ``None`` (no
     gradient). Returns (chunks that received a gradient, of those whose forward built a graph: a
-    chunk without one used no trainable tensor and sends nothing)."""
+    chunk without one used no trainable tensor and sends nothing). ``scope``: the open autocast
+    context's model re-runs first, inside it."""
     for state in {id(u.state): u.state for u in units if u.state is not None}.values():
         state.check_params("the cached forward")
     slices = grad_slices(units, grads, opts)
-    sent, graphs = backprop_kept(units, slices, opts)
+    sent, graphs = backprop_kept(units, slices, opts, scope)
     # Buffers: each re-run starts from what its pass-1 forward saw (BufferStates); afterwards all
     # are put back as pass 1 left them (BatchNorm statistics are not updated a second time).
     with buffers_restored(_distinct([u.model for u in units])):
-        for rerun in rerun_groups(units, slices):
-            graphs += _rerun_model(units, rerun, slices, opts)
+        for rerun in rerun_groups(units, slices, scope.model if scope is not None else None):
+            graphs += _rerun_model(units, rerun, slices, opts, scope)
             sent += len(rerun)
     return sent, graphs
 
 
-def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tensor], opts: EngineOptions) -> int:
+def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tensor], opts: EngineOptions,
+                 scope: Optional[CastScope] = None) -> int:
     """Re-run and back-propagate the chunks ``rerun`` (indices into ``units``) of one model;
     returns how many built a graph."""
     graphs = 0
@@ -425,7 +443,7 @@ def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tens
     # in their pass-1 modes (a model.eval() before cached_encode's backward changes nothing).
     modes = units[rerun[0]].state.modes_restored() if units[rerun[0]].state is not None else contextlib.nullcontext()
     agreed = False
-    with amp(), modes, fast_layer_norms(model_norms(model)):
+    with _amp_for(scope, model, device, amp), modes, fast_layer_norms(model_norms(model)):
         for n, (k, chunk) in enumerate(zip(rerun, staged([units[k].chunk for k in rerun], device, opts.offload_inputs))):
             u = units[k]
             sync = n == len(rerun) - 1 or opts.ddp_sync == "every_chunk"
