@@ -5,7 +5,9 @@
   (``modules()`` / ``parameters()`` at each use, ~40 walks per step plus two per chunk);
 * ``pytorch_norms`` / ``norm_kernel``: PyTorch's LayerNorm backward / the one-pass kernel
   (``gradcache/norms.py``'s ``ENABLED`` off / on; off by default since session 19): on a
-  host-bound step the kernel's Python autograd Function costs host time while it saves GPU time.
+  host-bound step the kernel's Python autograd Function costs host time while it saves GPU time;
+* ``cast_scope`` / ``scope_off``: one autocast context from the last model of pass 1 into its
+  re-runs (``gradcache/cast_scope.py``, the default since session 20) / one per pass and model.
 
 The setting of ``bigbatch.bench.gradcache`` (BERT-base dual encoder, bf16 autocast, 16 GiB budget).
 Per batch size: the full step's median, then rounds that alternate the arms step by step
@@ -33,7 +35,7 @@ from gradcache_idle_probe import busy, steps  # noqa: E402
 
 from bigbatch.bench.common import hardware  # noqa: E402
 from bigbatch.bench.gradcache import DualEncoder, _inputs, _rep  # noqa: E402
-from bigbatch.gradcache import GradCache, norms, walk  # noqa: E402
+from bigbatch.gradcache import GradCache, cast_scope, norms, walk  # noqa: E402
 
 
 def _walk_every_time(models) -> List[torch.nn.Module]:
@@ -57,7 +59,8 @@ def unmemoised():
 
 
 ARMS = {"memo": contextlib.nullcontext, "every_time": unmemoised,
-        "pytorch_norms": lambda: switch_set(norms, False), "norm_kernel": lambda: switch_set(norms, True)}
+        "pytorch_norms": lambda: switch_set(norms, False), "norm_kernel": lambda: switch_set(norms, True),
+        "cast_scope": lambda: switch_set(cast_scope, True), "scope_off": lambda: switch_set(cast_scope, False)}
 
 
 def main() -> None:
