@@ -63,7 +63,6 @@ def test_memo_inside_one_walk_only():
         assert walk.submodules(model) is first
         assert walk.parameters(model) is walk.parameters(model)
         assert [p for p in walk.parameters(model)] == list(model.parameters())
-        assert [n for n, _ in walk.named_parameters(model)] == [n for n, _ in model.named_parameters()]
         with walk.one_walk():  # nested: the outer memo
             assert walk.submodules(model) is first
         model.add_module("late", nn.Linear(2, 2))
@@ -179,3 +178,44 @@ def test_a_forward_that_attaches_a_module_drops_the_memo():
         with recording(states, [model]):  # nothing new: the memo stays
             pass
         assert walk.submodules(model) is after
+
+
+def test_structure_sees_every_change_a_forward_can_make():
+    """``walk.Structure.unchanged`` (the cheap test a cached step runs after every pass-1 forward
+    and before every re-run) must be False after any change of membership or buffer names --
+    also raw dict writes that keep every dict's length -- and True only when nothing changed."""
+
+    def build():
+        shared = nn.Linear(3, 3)
+        inner = nn.Sequential(nn.LayerNorm(3), shared)
+        inner.register_buffer("b", torch.zeros(1))
+        return nn.Sequential(shared, nn.ReLU(), inner), inner
+
+    changes = {
+        "add_module": lambda m, i: i.add_module("late", nn.Linear(2, 2)),
+        "register_buffer": lambda m, i: i.register_buffer("late", torch.ones(1)),
+        "register_none_buffer": lambda m, i: i.register_buffer("late", None),
+        "raw buffer write": lambda m, i: i._buffers.__setitem__("late", torch.ones(1)),
+        "buffer renamed in place": lambda m, i: (i._buffers.pop("b"), i._buffers.__setitem__("c", torch.ones(1))),
+        "buffer deleted": lambda m, i: delattr(i, "b"),
+        "child replaced raw": lambda m, i: m._modules.__setitem__("1", nn.Tanh()),
+        "child replaced": lambda m, i: setattr(m, "1", nn.Tanh()),
+        "child deleted": lambda m, i: delattr(m, "1"),
+        "modules dict swapped": lambda m, i: setattr(i, "_modules", dict(i._modules)),
+        "buffers dict swapped": lambda m, i: setattr(i, "_buffers", dict(i._buffers)),
+    }
+    for name, change in changes.items():
+        model, inner = build()
+        s = walk.Structure([model])
+        assert s.unchanged(), name
+        inner.b = torch.ones(1)  # a buffer re-assigned under its name: not a structural change
+        model.train(False)
+        assert s.unchanged(), name
+        change(model, inner)
+        assert not s.unchanged(), name
+    for models in _trees():
+        expected = {id(m) for mm in models for m in mm.modules()}
+        s = walk.Structure(models)
+        assert {id(m) for m in s.modules} == expected
+        self_walking = any(isinstance(m, (_SelfWalking, torch.jit.ScriptModule)) for mm in models for m in mm.modules())
+        assert s.unchanged() is not self_walking  # such trees are walked afresh every time

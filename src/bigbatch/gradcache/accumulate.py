@@ -81,6 +81,9 @@ class GradAccumulation:
             yield
             return
         old = [p.grad for p in self.params]
+        if all(o is None for o in old):  # (a model's first backward of the step after zero_grad())
+            yield  # nothing to set aside: the backward adopts its gradients, as AccumulateGrad does
+            return
         for p in self.params:
             p.grad = None
         try:

@@ -204,6 +204,9 @@ class BufferStates:
         # walk over every submodule, ~0.25 ms for a BERT: per chunk it would cost a host-bound step)
         self._nested: Dict[Tuple[int, ...], Dict[int, nn.Module]] = {}
         self._module_ids = {id(m) for m in _submodules(self.modules)}  # as of the last look (after())
+        self._structure: Optional[walk.Structure] = None  # the last fresh walk (_unseen_buffers)
+        self._structure_ids: Set[int] = set()
+        self._structure_unseen: List[Tuple[nn.Module, str]] = []
 
     def nested_ddp_modules(self, models: Sequence[nn.Module]) -> Dict[int, nn.Module]:
         """id -> module wrapped by a DDP module *inside* one of ``models`` (not a model itself)."""
@@ -275,16 +278,28 @@ class BufferStates:
         self._marks = []
 
     def _unseen_buffers(self) -> Tuple[Set[int], List[Tuple[nn.Module, str]]]:
-        """The ids of every submodule (one fresh walk), and the ``(module, name)`` of each buffer
-        without a slot yet. Either changed by a forward: the step's memoised walks are dropped
-        (``walk.forget``)."""
-        known = {(id(m), n) for m, store, n in self.slots if store == "_buffers"}
-        subs = _submodules(self.modules, fresh=True)
-        unseen = [(mod, name) for mod in subs for name in list(mod._buffers.keys()) if (id(mod), name) not in known]
-        ids = {id(m) for m in subs}
+        """The ids of every submodule (one fresh walk, or the last one's when its structure is
+        unchanged: ``walk.Structure``), and the ``(module, name)`` of each buffer without a slot
+        yet. Either changed by a forward: the step's memoised walks are dropped (``walk.forget``)."""
+        if self._structure is not None and self._structure.unchanged():
+            # the same modules and buffer names as at the last look; slots only grow since
+            ids, unseen = self._structure_ids, self._structure_unseen
+            if unseen:
+                known = self._known_buffers()
+                unseen = [(mod, name) for mod, name in unseen if (id(mod), name) not in known]
+        else:
+            self._structure = walk.Structure(self.modules)
+            known = self._known_buffers()
+            unseen = [(mod, name) for mod in self._structure.modules for name in list(mod._buffers.keys())
+                      if (id(mod), name) not in known]
+            ids = {id(m) for m in self._structure.modules}
+        self._structure_ids, self._structure_unseen = ids, unseen
         if unseen or ids != self._module_ids:
             walk.forget()
         return ids, unseen
+
+    def _known_buffers(self) -> Set[Tuple[int, str]]:
+        return {(id(m), n) for m, store, n in self.slots if store == "_buffers"}
 
     def _watch(self, models: Sequence[nn.Module]) -> None:
         """After a model's first chunk: which frozen parameters did its forward write, and -- when

@@ -42,17 +42,21 @@ class ModelState:
     again by every forward, the re-run's included, so it is not checked."""
 
     def __init__(self, model: nn.Module, before: Optional[Dict[int, int]] = None) -> None:
+        self.model = model
         self.modes: List[Tuple[nn.Module, bool]] = [(m, m.training) for m in walk.submodules(model)]
-        self.params: List[Tuple[str, Tensor, int]] = [
-            (n, p, p._version) for n, p in walk.named_parameters(model)
+        # (names are looked up only for an error: a named walk per model and step is host time)
+        self.params: List[Tuple[Tensor, int]] = [
+            (p, p._version) for p in walk.parameters(model)
             if _versioned(p) and (before is None or before.get(id(p)) == p._version)]
 
     def check_params(self, what: str, during_backward: bool = False) -> None:
         """Raise if a parameter was modified in place since (``what``: the call that encoded);
         ``during_backward``: checked between the chunks of pass 2, where a hook may have written
         one (an optimizer step per parameter: the later chunks would re-run with the new weights)."""
-        changed = [n for n, p, v in self.params if p._version != v]
+        changed = [p for p, v in self.params if p._version != v]
         if changed:
+            named = {id(p): n for n, p in self.model.named_parameters()}
+            changed = [named.get(id(p), "(a parameter no longer registered)") for p in changed]
             names = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
             if during_backward:
                 raise RuntimeError(
