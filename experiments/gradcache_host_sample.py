@@ -58,11 +58,12 @@ def attribute(path: str, top: int) -> None:
     for line in open(path):
         stack, n = line.rsplit(" ", 1)
         frames = stack.split(";")
-        if not any(f.startswith("step ") for f in frames):
+        is_step = [f.split(" (")[0].split(".")[-1] == "step" for f in frames]  # run.<locals>.step
+        if not any(is_step):
             continue
         n = int(n)
         total += n
-        inner = frames[[f.startswith("step ") for f in frames].index(True) + 1:]
+        inner = frames[is_step.index(True) + 1:]
         part = next((name for name, marks in PARTS if any(f.startswith(marks) or any(m in f for m in marks) for f in inner)), None)
         if part is None:
             ours = [f.split(" (")[0] for f in inner if "bigbatch" in f]
