@@ -149,6 +149,20 @@ def test_backwards_inside_the_open_context_run_without_autocast():
     assert _SeesAutocast.seen and not any(_SeesAutocast.seen)
 
 
+def test_backward_into_inputs_that_require_grad_runs_without_autocast():
+    """Inputs computed by a graph of their own (an upstream projection) get their gradient by one
+    more backward after the re-runs: outside any autocast context, as from a plain step."""
+    torch.manual_seed(0)
+    q, p = _towers()
+    xq, xp = _inputs()
+    raw = xq.clone().requires_grad_()
+    _SeesAutocast.seen = []
+    gc = GradCache([q, p], chunk_sizes=[5, 4], loss_fn=_loss, autocast_dtype=BF16)
+    gc(_SeesAutocast.apply(raw), xp)
+    assert raw.grad is not None and _SeesAutocast.seen == [False]
+    assert not torch.is_autocast_enabled("cpu")
+
+
 def test_an_error_leaves_no_autocast_context_open():
     q, p = _towers()
     xq, xp = _inputs()

@@ -404,6 +404,8 @@ class GradCache:
                 grads = [None if g is None else g.to("cpu") for g in grads]
                 del reps, leaves
             sent, graphs = backprop(units, grads, opts, scope)
+            if scope is not None:  # before any other backward (the inputs' own graphs): autocast off
+                scope.close()
             del grads
             if sent and not graphs:  # a plain step would train the loss's own parameters only, or fail
                 warn_user(
