@@ -2,7 +2,9 @@
 
 Its weights are cast once per step (not once per pass); the gradients are bitwise those of one
 context per pass (the casts are the same values, and each model's chunks accumulate in the same
-order); backwards inside the open context run with autocast off; an error leaves no context open."""
+order: encoders here share no parameter); backwards inside the open context run with autocast
+off; an error leaves no context open; on a torch whose autocast caches graphless casts made
+under no_grad (before 2.10) the scope is off and the cache emptied where grad-mode forwards follow."""
 
 from __future__ import annotations
 
@@ -161,6 +163,46 @@ def test_backward_into_inputs_that_require_grad_runs_without_autocast():
     gc(_SeesAutocast.apply(raw), xp)
     assert raw.grad is not None and _SeesAutocast.seen == [False]
     assert not torch.is_autocast_enabled("cpu")
+
+
+def _region_step(monkeypatch, old_torch: bool):
+    """A step inside the caller's own autocast region (autocast_dtype None): one weight-cast cache
+    for the whole step unless it is emptied. Returns the gradients and the passage tower's casts."""
+    if old_torch:
+        monkeypatch.setattr(cast_scope, "gradless_casts_cached", lambda: True)
+    q, p = _towers()
+    xq, xp = _inputs()
+    gc = GradCache([q, p], chunk_sizes=[5, 4], loss_fn=_loss)
+    torch.manual_seed(2)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        with torch.autocast("cpu", dtype=BF16):
+            gc(xq, xp)
+    casts = sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
+                and tuple(e.input_shapes[0]) == (13, 6))
+    monkeypatch.undo()
+    return _grads([q, p]), casts
+
+
+def test_on_a_torch_with_graphless_cached_casts_the_cache_is_emptied(monkeypatch):
+    """Before PyTorch 2.10 autocast cached a cast made under no_grad without its graph and handed it
+    to later grad-mode forwards of the region. There the scope is off and the cache is emptied
+    before the kept chunk and between the passes: simulated (the installed torch has the fix),
+    seen in the casts made again, with the same gradients."""
+    assert cast_scope.gradless_casts_cached() is False  # torch >= 2.10 here
+    _, grads_off, casts_off = _step(monkeypatch, False)
+    monkeypatch.setattr(cast_scope, "gradless_casts_cached", lambda: True)
+    _, grads_old, casts_old = _step(monkeypatch, True)  # ENABLED, but the scope is not used
+    # the passage tower's last chunk is kept: cast again for it (+1)
+    assert casts_old[(13, 6)] == casts_off[(13, 6)] + 1
+    for a, b in zip(grads_old, grads_off):
+        assert torch.equal(a, b)
+    monkeypatch.undo()
+    grads_fixed, casts_fixed = _region_step(monkeypatch, old_torch=False)
+    grads_old, casts_old = _region_step(monkeypatch, old_torch=True)
+    # in a caller's region, one cast per step, unless emptied: again for the kept chunk and after pass 1
+    assert casts_old == casts_fixed + 2
+    for a, b in zip(grads_old, grads_fixed):
+        assert torch.equal(a, b)
 
 
 def test_an_error_leaves_no_autocast_context_open():

@@ -364,7 +364,8 @@ class GradCache:
         self.last_chunk_sizes, self.last_kept = sizes, sum(u.keep for u in units)
         opts = EngineOptions(self._rep_fn(), self.autocast_dtype, self.offload_inputs, self.offload_reps, ddp_sync)
         # one autocast context from the last model of pass 1 into its re-runs (cast_scope.py)
-        scope = CastScope() if self.autocast_dtype is not None and cast_scope.ENABLED else None
+        scope = CastScope() if (self.autocast_dtype is not None and cast_scope.ENABLED
+                                and not cast_scope.gradless_casts_cached()) else None
         try:
             reps = encode(units, opts, len(inputs), scope)
             # an input whose representation required grad without a registered trainable parameter

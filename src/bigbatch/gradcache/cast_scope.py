@@ -8,9 +8,15 @@ per BERT-base and pass, and on a host-bound step each launch is host time the GP
 kept chunks' backward into that model's re-runs (which ``engine.rerun_groups`` puts first), and
 one context across consecutive inputs of a shared model; so one model's weights are cast once
 per step. Memory: no more than before -- the casts it keeps are the ones that model's kept graph
-holds anyway, and a re-run context would re-create them. A cast made under ``no_grad`` in pass 1
-keeps its graph to the fp32 weight (autocast casts cached leaves in grad mode), so re-runs
-through it accumulate into the weight's ``.grad``; ``tests/test_gradcache_cast_scope.py``.
+holds anyway, and a re-run context would re-create them. Since PyTorch's fix of its issue 158232
+(PR 165068, in 2.10) a cast autocast caches under ``no_grad`` keeps its graph to the fp32 weight,
+so re-runs through it accumulate into the weight's ``.grad``. Before it (2.4-2.9) such a cast has
+no graph and a later forward in grad mode in the same autocast region reuses it: the weight gets
+no gradient. :func:`gradless_casts_cached` tells which torch runs; on an old one the scope is not
+used, and :func:`drop_gradless_casts` empties the cache wherever grad-mode forwards follow no-grad
+ones (a kept chunk, the re-runs -- also inside a caller's autocast region, for every API).
+Gradients are bitwise those of one context per pass, except a parameter two encoders share (its
+``.grad`` is summed in another order: the re-runs' order changed). ``tests/test_gradcache_cast_scope.py``.
 
 Only ``GradCache`` (one call: pass 1, the loss, pass 2) uses a scope: ``cached_encode`` and
 ``cached`` return to the caller between the passes, where no context may be left open.
@@ -19,6 +25,7 @@ Only ``GradCache`` (one call: pass 1, the loss, pass 2) uses a scope: ``cached_e
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -65,3 +72,26 @@ class CastScope:
         stack, self._stack, self._model, self._device_type = self._stack, None, None, None
         if stack is not None:
             stack.close()
+
+
+@functools.lru_cache(maxsize=1)
+def gradless_casts_cached() -> bool:
+    """Whether this torch's autocast caches a weight cast made under ``no_grad`` without its graph
+    and hands it to later grad-mode forwards of the same region (PyTorch before 2.10). Asked once,
+    of a 2 x 2 linear map on the CPU."""
+    with torch.inference_mode(False), torch.enable_grad():
+        w = torch.zeros(2, 2, requires_grad=True)  # (no random init: the caller's random state is untouched)
+        x = torch.zeros(1, 2)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.no_grad():
+                torch.nn.functional.linear(x, w)
+            y = torch.nn.functional.linear(x, w)
+    return y.grad_fn is None
+
+
+def drop_gradless_casts() -> None:
+    """On a torch whose autocast caches graphless casts (:func:`gradless_casts_cached`), empty the
+    cache before grad-mode forwards that follow no-grad ones: their weights are cast again, with
+    their graph (a graph made earlier keeps its own casts). Elsewhere nothing."""
+    if gradless_casts_cached():
+        torch.clear_autocast_cache()

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from .accumulate import GradAccumulation
 from .buffers import BufferStates, buffers_restored, recording, restoring
-from .cast_scope import CastScope
+from .cast_scope import CastScope, drop_gradless_casts
 from .chunking import call_model, check_not_detached, model_device, staged, tensor_leaves
 from .lazy import LazyInits, skipping_inits
 from .model_state import ModelState, param_versions
@@ -236,6 +236,7 @@ def _first_run(u: Unit, chunk: Any, opts: EngineOptions, devices: List[int], mir
     (of ``devices``, the model's CUDA devices, and those of the chunk's tensors). Returns the
     detached (compact) representation; sets ``u.rows`` for a custom chunk type."""
     if u.keep:
+        drop_gradless_casts()  # (an old torch: no-grad chunks' casts would reach this graph without theirs)
         with sync_context(u.ddps, sync=False)(), torch.enable_grad():
             rep = _rep(opts, u.model, chunk, u.rows)
         u.kept_rep = rep
@@ -244,6 +245,8 @@ def _first_run(u: Unit, chunk: Any, opts: EngineOptions, devices: List[int], mir
         u.rng = RngState(sorted(set(devices) | set(cuda_devices_of(tensor_leaves(chunk)))))
         mirror = mirror and u.rerun
         detect = opts.detect_hidden and not u.rerun
+        if mirror or detect:
+            drop_gradless_casts()
         # a mirrored forward builds a graph, dropped as soon as the representation is detached
         # (one chunk's activations, which the chunk size allows for its re-run anyway); under
         # no_sync, so that DDP neither arms its reducer nor re-broadcasts buffers before the next chunk
@@ -316,6 +319,7 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int, scope: Opt
     model_states = {id(m): ModelState(m, versions[id(m)]) for m in models}
     for u in units:
         u.state = model_states[id(u.model)]
+    drop_gradless_casts()  # (an old torch: what runs next in grad mode must not reuse pass 1's casts)
     out = []
     for i, reps in enumerate(per_input):
         if not reps:
@@ -416,6 +420,7 @@ def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: Eng
     for state in {id(u.state): u.state for u in units if u.state is not None}.values():
         state.check_params("the cached forward")
     slices = grad_slices(units, grads, opts)
+    drop_gradless_casts()  # (an old torch: a caller's region may hold pass 1's graphless casts)
     sent, graphs = backprop_kept(units, slices, opts, scope)
     # Buffers: each re-run starts from what its pass-1 forward saw (BufferStates); afterwards all
     # are put back as pass 1 left them (BatchNorm statistics are not updated a second time).

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from .buffers import BufferStates, buffers_restored, recording, restoring
 from .chunking import differentiable, tensor_leaves
+from .cast_scope import drop_gradless_casts
 from .engine import Written, autocast_state, chunk_backward, compact, pass_one_in_grad_mode
 from .lazy import LazyInits, skipping_inits
 from .model_state import ModelState, param_versions
@@ -153,6 +154,7 @@ def cached(func: Callable[..., Reps]) -> Callable[..., Tuple[Any, ...]]:
                 stack.enter_context(restoring(states, record, modules))
                 # the one-pass LayerNorm backward for the re-run's forward and backward (engine.py)
                 stack.enter_context(fast_layer_norms([n for m in modules for n in model_norms(m)]))
+                drop_gradless_casts()  # (an old torch: a caller's region may hold the first call's casts)
                 with torch.enable_grad(), rng.replay(), _AutocastReplay(amp), skipping_inits(modules, lazy_after):
                     again = _as_tuple(func(*args, **kwargs), func.__name__)
                 pairs = [(t, g) for t, g in zip(again, grads) if g is not None and t.requires_grad]
