@@ -4,7 +4,7 @@ Its weights are cast once per step (not once per pass); the gradients are bitwis
 context per pass (the casts are the same values, and each model's chunks accumulate in the same
 order: encoders here share no parameter); backwards inside the open context run with autocast
 off; an error leaves no context open; on a torch whose autocast caches graphless casts made
-under no_grad (before 2.10) the scope is off and the cache emptied where grad-mode forwards follow."""
+under no_grad (PyTorch before its fix of issue 158232) the scope is off and the cache emptied where grad-mode forwards follow."""
 
 from __future__ import annotations
 
@@ -184,11 +184,11 @@ def _region_step(monkeypatch, old_torch: bool):
 
 
 def test_on_a_torch_with_graphless_cached_casts_the_cache_is_emptied(monkeypatch):
-    """Before PyTorch 2.10 autocast cached a cast made under no_grad without its graph and handed it
+    """Before PyTorch's fix of its issue 158232 autocast cached a cast made under no_grad without its graph and handed it
     to later grad-mode forwards of the region. There the scope is off and the cache is emptied
     before the kept chunk and between the passes: simulated (the installed torch has the fix),
     seen in the casts made again, with the same gradients."""
-    assert cast_scope.gradless_casts_cached() is False  # torch >= 2.10 here
+    assert cast_scope.gradless_casts_cached() is False  # the installed torch has the fix
     _, grads_off, casts_off = _step(monkeypatch, False)
     monkeypatch.setattr(cast_scope, "gradless_casts_cached", lambda: True)
     _, grads_old, casts_old = _step(monkeypatch, True)  # ENABLED, but the scope is not used

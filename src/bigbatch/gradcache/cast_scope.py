@@ -9,8 +9,8 @@ kept chunks' backward into that model's re-runs (which ``engine.rerun_groups`` p
 one context across consecutive inputs of a shared model; so one model's weights are cast once
 per step. Memory: no more than before -- the casts it keeps are the ones that model's kept graph
 holds anyway, and a re-run context would re-create them. Since PyTorch's fix of its issue 158232
-(PR 165068, in 2.10) a cast autocast caches under ``no_grad`` keeps its graph to the fp32 weight,
-so re-runs through it accumulate into the weight's ``.grad``. Before it (2.4-2.9) such a cast has
+(PR 165068, merged December 2025) a cast autocast caches under ``no_grad`` keeps its graph to the fp32 weight,
+so re-runs through it accumulate into the weight's ``.grad``. Before it (2.4 to at least 2.9) such a cast has
 no graph and a later forward in grad mode in the same autocast region reuses it: the weight gets
 no gradient. :func:`gradless_casts_cached` tells which torch runs; on an old one the scope is not
 used, and :func:`drop_gradless_casts` empties the cache wherever grad-mode forwards follow no-grad
@@ -77,7 +77,7 @@ class CastScope:
 @functools.lru_cache(maxsize=1)
 def gradless_casts_cached() -> bool:
     """Whether this torch's autocast caches a weight cast made under ``no_grad`` without its graph
-    and hands it to later grad-mode forwards of the same region (PyTorch before 2.10). Asked once,
+    and hands it to later grad-mode forwards of the same region (PyTorch before that fix). Asked once,
     of a 2 x 2 linear map on the CPU."""
     with torch.inference_mode(False), torch.enable_grad():
         w = torch.zeros(2, 2, requires_grad=True)  # (no random init: the caller's random state is untouched)
