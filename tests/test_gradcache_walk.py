@@ -34,6 +34,15 @@ class _SelfWalking(nn.Module):
                 yield (prefix + ("." if prefix and name else "") + name), m
 
 
+class _EqualToAll(nn.Module):
+    """Compares equal to any object (children must be compared by identity)."""
+
+    def __eq__(self, other):
+        return True
+
+    __hash__ = nn.Module.__hash__
+
+
 def _trees():
     shared = nn.Linear(3, 3)
     seq = nn.Sequential(shared, nn.ReLU(), shared, nn.Sequential(nn.LayerNorm(3), shared))
@@ -199,6 +208,7 @@ def test_structure_sees_every_change_a_forward_can_make():
         "buffer renamed in place": lambda m, i: (i._buffers.pop("b"), i._buffers.__setitem__("c", torch.ones(1))),
         "buffer deleted": lambda m, i: delattr(i, "b"),
         "child replaced raw": lambda m, i: m._modules.__setitem__("1", nn.Tanh()),
+        "child replaced by one equal to all": lambda m, i: m._modules.__setitem__("1", _EqualToAll()),
         "child replaced": lambda m, i: setattr(m, "1", nn.Tanh()),
         "child deleted": lambda m, i: delattr(m, "1"),
         "modules dict swapped": lambda m, i: setattr(i, "_modules", dict(i._modules)),
