@@ -43,6 +43,11 @@ class _EqualToAll(nn.Module):
     __hash__ = nn.Module.__hash__
 
 
+class _SelfWalkingSequential(nn.Sequential):
+    def named_modules(self, memo=None, prefix="", remove_duplicate=True):
+        yield from super().named_modules(memo, prefix, remove_duplicate)
+
+
 def _trees():
     shared = nn.Linear(3, 3)
     seq = nn.Sequential(shared, nn.ReLU(), shared, nn.Sequential(nn.LayerNorm(3), shared))
@@ -209,6 +214,8 @@ def test_structure_sees_every_change_a_forward_can_make():
         "buffer deleted": lambda m, i: delattr(i, "b"),
         "child replaced raw": lambda m, i: m._modules.__setitem__("1", nn.Tanh()),
         "child replaced by one equal to all": lambda m, i: m._modules.__setitem__("1", _EqualToAll()),
+        "__dict__ replaced": lambda m, i: object.__setattr__(i, "__dict__", {**vars(i), "_buffers": {}}),
+        "class swapped to a self-walking one": lambda m, i: setattr(m, "__class__", _SelfWalkingSequential),
         "child replaced": lambda m, i: setattr(m, "1", nn.Tanh()),
         "child deleted": lambda m, i: delattr(m, "1"),
         "modules dict swapped": lambda m, i: setattr(i, "_modules", dict(i._modules)),

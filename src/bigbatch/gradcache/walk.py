@@ -123,8 +123,8 @@ _BUFFERS = operator.itemgetter("_buffers")
 
 class Structure:
     """A fresh walk of ``models`` (:func:`fresh_submodules`), and a cheap test that what it read is
-    unchanged since: each module's ``_modules`` and ``_buffers`` dicts (the same objects), the
-    children they hold (by identity, in order) and the buffer names.
+    unchanged since: each module's class, ``__dict__``, ``_modules`` and ``_buffers`` dicts (the
+    same objects), the children they hold (by identity, in order) and the buffer names.
 
     A cached step asks after every pass-1 forward and before every re-run whether a forward
     attached a module or registered a buffer (``buffers.py``): a walk and a scan of every module's
@@ -141,7 +141,8 @@ class Structure:
                               or type(vars(m).get("_buffers")) is not dict for m in self.modules)
         if self._exact:
             # holding the modules (so every child seen) and the dicts keeps their ids from reuse
-            self._attrs = [vars(m) for m in self.modules]
+            self._types = list(map(type, self.modules))  # (a class swapped in may walk itself)
+            self._attrs = list(map(vars, self.modules))
             self._module_dicts = list(map(_MODULES, self._attrs))
             self._buffer_dicts = list(map(_BUFFERS, self._attrs))
             self._shape = self._read()
@@ -155,7 +156,10 @@ class Structure:
         """No module of the walk has gained, lost or replaced a child, or a buffer name, since."""
         if not self._exact:
             return False
-        return (all(map(operator.is_, map(_MODULES, self._attrs), self._module_dicts))
+        mods = self.modules
+        return (all(map(operator.is_, map(type, mods), self._types))
+                and all(map(operator.is_, map(vars, mods), self._attrs))
+                and all(map(operator.is_, map(_MODULES, self._attrs), self._module_dicts))
                 and all(map(operator.is_, map(_BUFFERS, self._attrs), self._buffer_dicts))
                 and self._read() == self._shape)
 
