@@ -82,7 +82,7 @@ def gradless_casts_cached() -> bool:
     with torch.inference_mode(False), torch.enable_grad():
         w = torch.zeros(2, 2, requires_grad=True)  # (no random init: the caller's random state is untouched)
         x = torch.zeros(1, 2)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=True):  # (whatever the global setting)
             with torch.no_grad():
                 torch.nn.functional.linear(x, w)
             y = torch.nn.functional.linear(x, w)

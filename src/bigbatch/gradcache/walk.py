@@ -110,7 +110,9 @@ _SELF_WALKING: Dict[type, bool] = {}
 
 
 def _walks_itself(cls: type) -> bool:
-    """Whether ``cls`` overrides ``named_modules`` or ``modules`` (cached per class)."""
+    """Whether ``cls`` overrides ``named_modules`` or ``modules`` (cached per class: a class is not
+    expected to change its walk after its first instance was walked; FSDP's ``fully_shard`` makes a
+    new class)."""
     known = _SELF_WALKING.get(cls)
     if known is None:
         known = _SELF_WALKING[cls] = cls.named_modules is not nn.Module.named_modules or cls.modules is not nn.Module.modules
