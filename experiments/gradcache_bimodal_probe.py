@@ -23,10 +23,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gradcache_idle_probe import busy, steps  # noqa: E402  (an experiment next to this one)
+from gradcache_fused_ab import full_step  # noqa: E402  (experiments next to this one)
+from gradcache_idle_probe import busy, steps  # noqa: E402
 
 from bigbatch.bench.common import hardware  # noqa: E402
-from bigbatch.bench.gradcache import DualEncoder, _inputs, _rep  # noqa: E402
+from bigbatch.bench.gradcache import DualEncoder, _rep  # noqa: E402
 from bigbatch.gradcache import GradCache  # noqa: E402
 
 COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams", "num_ooms")
@@ -46,17 +47,9 @@ def main() -> None:
     t_start = time.perf_counter()
     dev = torch.device("cuda")
     setup = DualEncoder(dev)
-    mq, mp, cfg, loss_fn = setup.mq, setup.mp, setup.cfg, setup.loss_fn
+    mq, mp, loss_fn = setup.mq, setup.mp, setup.loss_fn
     b = args.batch
-    qi = _inputs(b, 32, cfg.vocab_size, dev, 10 + b)
-    pi = _inputs(b, 128, cfg.vocab_size, dev, 20 + b)
-    amp = dict(device_type="cuda", dtype=torch.bfloat16)
-
-    def full():
-        with torch.autocast(**amp):
-            loss = loss_fn(_rep(mq(**qi)), _rep(mp(**pi)))
-        loss.backward()
-
+    qi, pi, full = full_step(setup, b, dev)
     bb = GradCache([mq, mp], memory_budget="16GiB", loss_fn=loss_fn, get_rep_fn=_rep, autocast_dtype=torch.bfloat16)
     row = {"hardware": hardware(), "batch": b, "env": {k: os.environ.get(k) for k in ("PYTHONHASHSEED", "PYTORCH_CUDA_ALLOC_CONF")},
            "affinity": sorted(os.sched_getaffinity(0)), "cpu_at_start": _cpu_now()}

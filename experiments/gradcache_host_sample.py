@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # stack markers: the model's forward, the backward calls, the loss
 PARTS = (("forward", ("call_model ", "_call_impl ")), ("backward", ("chunk_backward ", "backward (torch/"),),
@@ -24,19 +28,17 @@ PARTS = (("forward", ("call_model ", "_call_impl ")), ("backward", ("chunk_backw
 
 
 def run(args: argparse.Namespace) -> None:
-    from bigbatch.bench.gradcache import DualEncoder, _inputs, _rep
+    from bigbatch.bench.gradcache import DualEncoder, _rep
     from bigbatch.gradcache import GradCache
+    from gradcache_fused_ab import full_step  # (an experiment next to this one)
 
     dev = torch.device("cuda")
     setup = DualEncoder(dev)
-    mq, mp, cfg, loss_fn = setup.mq, setup.mp, setup.cfg, setup.loss_fn
-    qi = _inputs(args.batch, 32, cfg.vocab_size, dev, 10 + args.batch)
-    pi = _inputs(args.batch, 128, cfg.vocab_size, dev, 20 + args.batch)
+    mq, mp, loss_fn = setup.mq, setup.mp, setup.loss_fn
+    qi, pi, full = full_step(setup, args.batch, dev)
     if args.full:
         def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = loss_fn(_rep(mq(**qi)), _rep(mp(**pi)))
-            loss.backward()
+            full()
     else:
         gc = GradCache([mq, mp], memory_budget="16GiB", loss_fn=loss_fn, get_rep_fn=_rep, autocast_dtype=torch.bfloat16)
 

@@ -30,11 +30,11 @@ from typing import Dict, List
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gradcache_fused_ab import switch_set  # noqa: E402
+from gradcache_fused_ab import full_step, switch_set  # noqa: E402
 from gradcache_idle_probe import busy, steps  # noqa: E402
 
 from bigbatch.bench.common import hardware  # noqa: E402
-from bigbatch.bench.gradcache import DualEncoder, _inputs, _rep  # noqa: E402
+from bigbatch.bench.gradcache import DualEncoder, _rep  # noqa: E402
 from bigbatch.gradcache import GradCache, cast_scope, norms, walk  # noqa: E402
 
 
@@ -72,18 +72,10 @@ def main() -> None:
     args = p.parse_args()
     dev = torch.device("cuda")
     setup = DualEncoder(dev)
-    mq, mp, cfg, loss_fn = setup.mq, setup.mp, setup.cfg, setup.loss_fn
-    amp = dict(device_type="cuda", dtype=torch.bfloat16)
+    mq, mp, loss_fn = setup.mq, setup.mp, setup.loss_fn
     res = {"hardware": hardware(), "env": {"PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED")}, "rows": []}
     for b in args.batches:
-        qi = _inputs(b, 32, cfg.vocab_size, dev, 10 + b)
-        pi = _inputs(b, 128, cfg.vocab_size, dev, 20 + b)
-
-        def full():
-            with torch.autocast(**amp):
-                loss = loss_fn(_rep(mq(**qi)), _rep(mp(**pi)))
-            loss.backward()
-
+        qi, pi, full = full_step(setup, b, dev)
         bb = GradCache([mq, mp], memory_budget="16GiB", loss_fn=loss_fn, get_rep_fn=_rep, autocast_dtype=torch.bfloat16)
         steps(full, 2)
         full_ms, _ = steps(full, 5)

@@ -205,8 +205,7 @@ class BufferStates:
         self._nested: Dict[Tuple[int, ...], Dict[int, nn.Module]] = {}
         self._module_ids = {id(m) for m in _submodules(self.modules)}  # as of the last look (after())
         self._structure: Optional[walk.Structure] = None  # the last fresh walk (_unseen_buffers)
-        self._structure_ids: Set[int] = set()
-        self._structure_unseen: List[Tuple[nn.Module, str]] = []
+        self._structure_unseen: List[Tuple[nn.Module, str]] = []  # what it found without a slot
 
     def nested_ddp_modules(self, models: Sequence[nn.Module]) -> Dict[int, nn.Module]:
         """id -> module wrapped by a DDP module *inside* one of ``models`` (not a model itself)."""
@@ -281,25 +280,19 @@ class BufferStates:
         """The ids of every submodule (one fresh walk, or the last one's when its structure is
         unchanged: ``walk.Structure``), and the ``(module, name)`` of each buffer without a slot
         yet. Either changed by a forward: the step's memoised walks are dropped (``walk.forget``)."""
-        if self._structure is not None and self._structure.unchanged():
-            # the same modules and buffer names as at the last look; slots only grow since
-            ids, unseen = self._structure_ids, self._structure_unseen
-            if unseen:
-                known = self._known_buffers()
-                unseen = [(mod, name) for mod, name in unseen if (id(mod), name) not in known]
-        else:
+        if self._structure is None or not self._structure.unchanged():
             self._structure = walk.Structure(self.modules)
-            known = self._known_buffers()
-            unseen = [(mod, name) for mod in self._structure.modules for name in list(mod._buffers.keys())
-                      if (id(mod), name) not in known]
-            ids = {id(m) for m in self._structure.modules}
-        self._structure_ids, self._structure_unseen = ids, unseen
+            candidates = [(mod, name) for mod in self._structure.modules for name in list(mod._buffers.keys())]
+        else:  # the same modules and buffer names as at the last look; slots only grew since
+            candidates = self._structure_unseen
+        if candidates:
+            known = {(id(m), n) for m, store, n in self.slots if store == "_buffers"}
+            candidates = [(mod, name) for mod, name in candidates if (id(mod), name) not in known]
+        self._structure_unseen = unseen = candidates
+        ids = self._structure.ids
         if unseen or ids != self._module_ids:
             walk.forget()
         return ids, unseen
-
-    def _known_buffers(self) -> Set[Tuple[int, str]]:
-        return {(id(m), n) for m, store, n in self.slots if store == "_buffers"}
 
     def _watch(self, models: Sequence[nn.Module]) -> None:
         """After a model's first chunk: which frozen parameters did its forward write, and -- when

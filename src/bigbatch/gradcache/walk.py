@@ -138,6 +138,7 @@ class Structure:
 
     def __init__(self, models: Iterable[nn.Module]) -> None:
         self.modules = fresh_submodules(models)
+        self.ids = {id(m) for m in self.modules}
         self._exact = not any(_walks_itself(type(m)) or isinstance(m, torch.jit.ScriptModule)
                               or type(vars(m).get("_modules")) is not dict
                               or type(vars(m).get("_buffers")) is not dict for m in self.modules)
