@@ -5,7 +5,10 @@ each of the full-batch step and ``bigbatch.GradCache``: the idle gaps between co
 device intervals (kernels, copies, memsets), summed by the kernel that ends the gap (what the
 GPU was waiting to receive) and by size; and host ranges (pass 1 per model, the loss, pass 2)
 from ``record_function`` marks placed by wrapping the engine's functions, so each gap is also
-attributed to the phase whose host range covers it.
+attributed to the phase whose host range covers it. Each gap is also attributed to the host op
+that launched the kernel ending it (the kernel's ``External id`` -> its CPU op -> the ops enclosing
+it on that thread): the autograd node being evaluated (``bwd: ToCopyBackward0``) or, in a forward,
+the outermost ATen op (``fwd: aten::linear``), and the innermost op.
 
     cd experiments && python gradcache_gap_probe.py --out /tmp/gradcache_gaps.json
 """
@@ -24,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import bigbatch.gradcache.cache as cache_mod
 from bigbatch.bench.common import hardware
 from bigbatch.bench.gradcache import DualEncoder, _rep
-from bigbatch.gradcache import GradCache
+from bigbatch.gradcache import GradCache, cast_scope
 
 from gradcache_fused_ab import full_step
 
@@ -38,6 +41,34 @@ def marked(fn, name):
     return wrapped
 
 
+NODE = "autograd::engine::evaluate_function: "
+
+
+def op_ancestry(events):
+    """External id -> (autograd node or outermost ATen op, innermost op) of every CPU op, from a
+    sweep over each thread's ops nested by time."""
+    by_tid = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op" and "External id" in e.get("args", {}):
+            by_tid[e.get("tid")].append((float(e["ts"]), -float(e["dur"]), e["name"], e["args"]["External id"]))
+    out = {}
+    for ops in by_tid.values():
+        ops.sort()
+        stack = []  # (end, name)
+        for ts, neg_dur, name, ext in ops:
+            while stack and stack[-1][0] < ts:
+                stack.pop()
+            stack.append((ts - neg_dur, name))
+            names = [n for _, n in stack]
+            node = next((n for n in names if n.startswith(NODE)), None)
+            if node is not None:
+                key = "bwd: " + node[len(NODE):]
+            else:
+                key = "fwd: " + next((n for n in names if n.startswith("aten::")), names[0])
+            out[ext] = (key, name)
+    return out
+
+
 def trace(fn):
     fn()
     torch.cuda.synchronize()
@@ -49,18 +80,23 @@ def trace(fn):
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     os.unlink(path)
-    dev = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"][:70]) for e in events
-                 if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    dev = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"][:70], e.get("args", {}).get("External id"))
+                 for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    ancestry = op_ancestry(events)
     ranges = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in events
               if e.get("ph") == "X" and e.get("name") in PHASES]
     by_next, by_phase, sizes = collections.Counter(), collections.Counter(), collections.Counter()
+    by_node, by_op = collections.Counter(), collections.Counter()
     end = dev[0][1]
     idle = 0.0
-    for a, b, name in dev[1:]:
+    for a, b, name, ext in dev[1:]:
         gap = a - end
         if gap > 5.0:  # microseconds; below this it is launch latency between queued kernels
             idle += gap
             by_next[name] += gap / 1e3
+            node, op = ancestry.get(ext, ("unknown", "unknown"))
+            by_node[node] += gap / 1e3
+            by_op[op] += gap / 1e3
             phase = next((p for (s, e, p) in ranges if s <= a <= e), "other")
             by_phase[phase] += gap / 1e3
             sizes["<50us" if gap < 50 else "<500us" if gap < 500 else "<5ms" if gap < 5000 else ">=5ms"] += gap / 1e3
@@ -68,12 +104,16 @@ def trace(fn):
     return {"span_ms": (end - dev[0][0]) / 1e3, "idle_ms": idle / 1e3, "kernels": len(dev),
             "by_phase_ms": dict(by_phase), "by_size_ms": dict(sizes),
             "by_next_kernel_ms": [[k, round(v, 3)] for k, v in by_next.most_common(25)],
+            "by_launching_node_ms": [[k, round(v, 3)] for k, v in by_node.most_common(30)],
+            "by_launching_op_ms": [[k, round(v, 3)] for k, v in by_op.most_common(20)],
             "phase_host_ms": {p: sum(e - s for s, e, q in ranges if q == p) / 1e3 for p in PHASES}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--uncached-casts", action="store_true",
+                    help="also profile a step with cast_scope.GRAPH_CASTS_CACHED = False")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -87,10 +127,16 @@ def main() -> None:
     out["full"] = trace(full)
     out["gradcache"] = trace(lambda: gc(qi, pi))
     out["gradcache"]["chunk_rows"] = [list(r) for r in gc.last_chunk_rows]
-    for k in ("full", "gradcache"):
-        print(k, json.dumps({kk: v for kk, v in out[k].items() if kk != "by_next_kernel_ms"}), flush=True)
-        for name, ms in out[k]["by_next_kernel_ms"][:12]:
-            print("   ", ms, name)
+    if args.uncached_casts:  # the graph-building forwards casting each weight at each use
+        cast_scope.GRAPH_CASTS_CACHED = False
+        out["gradcache_uncached_casts"] = trace(lambda: gc(qi, pi))
+        cast_scope.GRAPH_CASTS_CACHED = True
+    for k in [k for k in out if k.startswith(("full", "gradcache"))]:
+        print(k, json.dumps({kk: v for kk, v in out[k].items() if not kk.startswith("by_")}), flush=True)
+        for key in ("by_next_kernel_ms", "by_launching_node_ms", "by_launching_op_ms"):
+            print("  ", key)
+            for name, ms in out[k][key][:12]:
+                print("   ", ms, name)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
 

@@ -7,12 +7,17 @@
   (``gradcache/norms.py``'s ``ENABLED`` off / on; off by default since session 19): on a
   host-bound step the kernel's Python autograd Function costs host time while it saves GPU time;
 * ``cast_scope`` / ``scope_off``: one autocast context from the last model of pass 1 into its
-  re-runs (``gradcache/cast_scope.py``, the default since session 20) / one per pass and model.
+  re-runs (``gradcache/cast_scope.py``, the default since session 20) / one per pass and model;
+* ``uncached_casts``: graph-building forwards (the kept chunk, the re-runs) cast each weight at each
+  use instead of taking autocast's cached cast (``cast_scope.GRAPH_CASTS_CACHED = False``): the
+  backward's weight-gradient casts then run next to their matmuls instead of in a tail at the end
+  of every chunk's backward.
 
 The setting of ``bigbatch.bench.gradcache`` (BERT-base dual encoder, bf16 autocast, 16 GiB budget).
 Per batch size: the full step's median, then rounds that alternate the arms step by step
 (CUDA-event time and host issue time of each step), and one profiled step per arm (GPU busy time,
-idle inside the step). Writes JSON.
+idle inside the step); then each arm's gradients from zero under one seed against the first arm's,
+and its peak. Writes JSON.
 
     python experiments/gradcache_switch_ab.py --batches 512 1024 2048 --arms memo every_time --out /tmp/ab.json
 """
@@ -58,9 +63,19 @@ def unmemoised():
         walk.memoised, walk.fresh_submodules = saved
 
 
+@contextlib.contextmanager
+def uncached_casts():
+    saved, cast_scope.GRAPH_CASTS_CACHED = cast_scope.GRAPH_CASTS_CACHED, False
+    try:
+        yield
+    finally:
+        cast_scope.GRAPH_CASTS_CACHED = saved
+
+
 ARMS = {"memo": contextlib.nullcontext, "every_time": unmemoised,
         "pytorch_norms": lambda: switch_set(norms, False), "norm_kernel": lambda: switch_set(norms, True),
-        "cast_scope": lambda: switch_set(cast_scope, True), "scope_off": lambda: switch_set(cast_scope, False)}
+        "cast_scope": lambda: switch_set(cast_scope, True), "scope_off": lambda: switch_set(cast_scope, False),
+        "uncached_casts": uncached_casts}
 
 
 def main() -> None:
@@ -98,9 +113,25 @@ def main() -> None:
             row[name] = {"median_ms": statistics.median(got[name]["ms"]), "over_full": statistics.median(got[name]["ms"]) / row["full_ms"],
                          "issue_median_ms": statistics.median(got[name]["issue_ms"]), **got[name],
                          "busy_ms": prof["busy_ms"], "idle_in_span_ms": prof["idle_in_span_ms"], "kernels": prof["kernels"]}
+        # each arm's gradients from zero under one seed, against the first arm's; and its peak
+        first = None
+        for name, ctx in arms.items():
+            for m in (mq, mp):
+                m.zero_grad(set_to_none=True)
+            torch.manual_seed(0)
+            torch.cuda.reset_peak_memory_stats()
+            with ctx():
+                bb(qi, pi)
+            row[name]["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            flat = torch.cat([q.grad.flatten() for m in (mq, mp) for q in m.parameters() if q.grad is not None])
+            first = flat if first is None else first
+            row[name]["grad_vs_first_arm"] = ((flat - first).abs().max() / first.abs().max()).item()
+            row[name]["grads_bitwise_first_arm"] = bool(torch.equal(flat, first))
+        del first, flat
         res["rows"].append(row)
         print(f"B={b} full {row['full_ms']:.1f} | " + " | ".join(
-            f"{n} {row[n]['median_ms']:.1f} ({row[n]['over_full']:.3f}) issue {row[n]['issue_median_ms']:.1f} busy {row[n]['busy_ms']:.1f}"
+            f"{n} {row[n]['median_ms']:.1f} ({row[n]['over_full']:.3f}) issue {row[n]['issue_median_ms']:.1f} busy {row[n]['busy_ms']:.1f} "
+            f"peak {row[n]['peak_gib']:.2f} GiB grad diff {row[n]['grad_vs_first_arm']:.1e}"
             for n in arms), flush=True)
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
