@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import bigbatch.gradcache.cache as cache_mod
 from bigbatch.bench.common import hardware
 from bigbatch.bench.gradcache import DualEncoder, _rep
-from bigbatch.gradcache import GradCache, cast_scope
+from bigbatch.gradcache import GradCache
 
 from gradcache_fused_ab import full_step
 
@@ -112,8 +112,6 @@ def trace(fn):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=2048)
-    ap.add_argument("--uncached-casts", action="store_true",
-                    help="also profile a step with cast_scope.GRAPH_CASTS_CACHED = False")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -127,10 +125,6 @@ def main() -> None:
     out["full"] = trace(full)
     out["gradcache"] = trace(lambda: gc(qi, pi))
     out["gradcache"]["chunk_rows"] = [list(r) for r in gc.last_chunk_rows]
-    if args.uncached_casts:  # the graph-building forwards casting each weight at each use
-        cast_scope.GRAPH_CASTS_CACHED = False
-        out["gradcache_uncached_casts"] = trace(lambda: gc(qi, pi))
-        cast_scope.GRAPH_CASTS_CACHED = True
     for k in [k for k in out if k.startswith(("full", "gradcache"))]:
         print(k, json.dumps({kk: v for kk, v in out[k].items() if not kk.startswith("by_")}), flush=True)
         for key in ("by_next_kernel_ms", "by_launching_node_ms", "by_launching_op_ms"):

@@ -8,10 +8,8 @@
   host-bound step the kernel's Python autograd Function costs host time while it saves GPU time;
 * ``cast_scope`` / ``scope_off``: one autocast context from the last model of pass 1 into its
   re-runs (``gradcache/cast_scope.py``, the default since session 20) / one per pass and model;
-* ``uncached_casts``: graph-building forwards (the kept chunk, the re-runs) cast each weight at each
-  use instead of taking autocast's cached cast (``cast_scope.GRAPH_CASTS_CACHED = False``): the
-  backward's weight-gradient casts then run next to their matmuls instead of in a tail at the end
-  of every chunk's backward.
+* (session 21, commit 21e9cb9: ``uncached_casts``, graph-building forwards casting each weight at
+  each use -- slower at every B, ``probes/uncached_casts_ab_s21.json``; removed with its switch.)
 
 The setting of ``bigbatch.bench.gradcache`` (BERT-base dual encoder, bf16 autocast, 16 GiB budget).
 Per batch size: the full step's median, then rounds that alternate the arms step by step
@@ -63,19 +61,9 @@ def unmemoised():
         walk.memoised, walk.fresh_submodules = saved
 
 
-@contextlib.contextmanager
-def uncached_casts():
-    saved, cast_scope.GRAPH_CASTS_CACHED = cast_scope.GRAPH_CASTS_CACHED, False
-    try:
-        yield
-    finally:
-        cast_scope.GRAPH_CASTS_CACHED = saved
-
-
 ARMS = {"memo": contextlib.nullcontext, "every_time": unmemoised,
         "pytorch_norms": lambda: switch_set(norms, False), "norm_kernel": lambda: switch_set(norms, True),
-        "cast_scope": lambda: switch_set(cast_scope, True), "scope_off": lambda: switch_set(cast_scope, False),
-        "uncached_casts": uncached_casts}
+        "cast_scope": lambda: switch_set(cast_scope, True), "scope_off": lambda: switch_set(cast_scope, False)}
 
 
 def main() -> None:
@@ -113,15 +101,20 @@ def main() -> None:
             row[name] = {"median_ms": statistics.median(got[name]["ms"]), "over_full": statistics.median(got[name]["ms"]) / row["full_ms"],
                          "issue_median_ms": statistics.median(got[name]["issue_ms"]), **got[name],
                          "busy_ms": prof["busy_ms"], "idle_in_span_ms": prof["idle_in_span_ms"], "kernels": prof["kernels"]}
-        # each arm's gradients from zero under one seed, against the first arm's; and its peak
+        # each arm's gradients from zero under one seed, against the first arm's; and its peak. A step
+        # from .grad None first: the planner may measure (and draw random numbers) once for it
         first = None
         for name, ctx in arms.items():
-            for m in (mq, mp):
-                m.zero_grad(set_to_none=True)
-            torch.manual_seed(0)
-            torch.cuda.reset_peak_memory_stats()
             with ctx():
+                for m in (mq, mp):
+                    m.zero_grad(set_to_none=True)
                 bb(qi, pi)
+                for m in (mq, mp):
+                    m.zero_grad(set_to_none=True)
+                torch.manual_seed(0)
+                torch.cuda.reset_peak_memory_stats()
+                bb(qi, pi)
+            row[name]["check_plan"] = [list(r) for r in bb.last_chunk_rows]
             row[name]["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             flat = torch.cat([q.grad.flatten() for m in (mq, mp) for q in m.parameters() if q.grad is not None])
             first = flat if first is None else first

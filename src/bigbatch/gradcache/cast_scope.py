@@ -96,24 +96,3 @@ def drop_gradless_casts() -> None:
     if gradless_casts_cached():
         torch.clear_autocast_cache()
 
-
-# Experiment switch (``experiments/gradcache_switch_ab.py``, arm ``uncached_casts``): False makes
-# every graph-building forward (a kept chunk, a re-run) cast each weight at each use instead of
-# taking the cast from autocast's cache. Why it might matter: a cached cast is made once per
-# context, so its backward node is older than anything in a chunk's graph, and autograd (which runs
-# the newest ready node first) leaves all of them -- 146 bf16 -> fp32 weight-gradient casts for a
-# BERT-base -- to the end of each chunk's backward, where the GPU has nothing else queued.
-GRAPH_CASTS_CACHED = True
-
-
-def graph_forward_casts() -> Any:
-    """The context for a graph-building forward: nothing while :data:`GRAPH_CASTS_CACHED`, else
-    autocast's cast cache switched off (autocast itself left as it is)."""
-    if GRAPH_CASTS_CACHED:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    for device_type in ("cuda", "cpu"):
-        if torch.is_autocast_enabled(device_type):
-            stack.enter_context(torch.autocast(device_type=device_type, dtype=torch.get_autocast_dtype(device_type),
-                                               cache_enabled=False))
-    return stack

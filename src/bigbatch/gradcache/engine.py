@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from .accumulate import GradAccumulation
 from .buffers import BufferStates, buffers_restored, recording, restoring
-from .cast_scope import CastScope, drop_gradless_casts, graph_forward_casts
+from .cast_scope import CastScope, drop_gradless_casts
 from .chunking import call_model, check_not_detached, model_device, staged, tensor_leaves
 from .lazy import LazyInits, skipping_inits
 from .model_state import ModelState, param_versions
@@ -237,7 +237,7 @@ def _first_run(u: Unit, chunk: Any, opts: EngineOptions, devices: List[int], mir
     detached (compact) representation; sets ``u.rows`` for a custom chunk type."""
     if u.keep:
         drop_gradless_casts()  # (an old torch: no-grad chunks' casts would reach this graph without theirs)
-        with sync_context(u.ddps, sync=False)(), torch.enable_grad(), graph_forward_casts():
+        with sync_context(u.ddps, sync=False)(), torch.enable_grad():
             rep = _rep(opts, u.model, chunk, u.rows)
         u.kept_rep = rep
         rep = compact(rep)
@@ -459,7 +459,7 @@ def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tens
             with sync_context(u.ddps, sync=sync)(), own_ddp_forwards():
                 states, record = u.buffers
                 with restoring(states, record, [u.model]), torch.enable_grad(), u.rng.replay(), \
-                        skipping_inits([u.model], u.lazy_after), graph_forward_casts():
+                        skipping_inits([u.model], u.lazy_after):
                     rep = _rep(opts, u.model, chunk, u.rows)
                 if sync and opts.check_plain_ddp and not agreed:
                     # once, between the first synced re-run's forward and its backward: after the
