@@ -95,4 +95,3 @@ def drop_gradless_casts() -> None:
     their graph (a graph made earlier keeps its own casts). Elsewhere nothing."""
     if gradless_casts_cached():
         torch.clear_autocast_cache()
-
