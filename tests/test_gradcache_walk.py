@@ -4,7 +4,8 @@ The memo (inside ``one_walk``) returns what ``modules()`` / ``parameters()`` / `
 computed once; outside it every call walks afresh; ``forget`` drops it. ``fresh_submodules`` is
 ``modules()``'s membership for any module tree (shared and ``None`` children, classes that walk
 themselves, TorchScript). And in a GradCache step the number of walks does not grow with the
-number of chunks (the host cost the memo removes)."""
+number of chunks (the host cost the memo removes); a GradCache carries its memo to its next step
+while its models hold the same objects, and sees every change made between steps."""
 
 from __future__ import annotations
 
@@ -164,11 +165,12 @@ def test_memo_gives_the_unmemoised_step(monkeypatch):
         with monkeypatch.context() as mp:
             if not memo:
                 mp.setattr(walk, "memoised", lambda kind, module, compute: compute(module))
-            for _ in range(2):  # the second step starts with the buffer registered
-                GradCache([model], chunk_sizes=4, loss_fn=lambda a, b: bigbatch.clip_loss(a, b, 5.0))(x, x.flip(0))
+            cache = GradCache([model], chunk_sizes=4, loss_fn=lambda a, b: bigbatch.clip_loss(a, b, 5.0))
+            for _ in range(3):  # the second step starts with the buffer registered; the third, with its walks
+                cache(x, x.flip(0))
         results.append(([p.grad.clone() for p in model.parameters()], {k: v.clone() for k, v in model.state_dict().items()}))
     (g1, s1), (g0, s0) = results
-    assert s1.keys() == s0.keys() and float(s1["calls"]) == 12.0  # 6 chunks' pass-1 forwards, twice; no re-run counted
+    assert s1.keys() == s0.keys() and float(s1["calls"]) == 18.0  # 6 chunks' pass-1 forwards, thrice; no re-run counted
     for k in s0:
         torch.testing.assert_close(s1[k], s0[k], rtol=0, atol=0)
     for a, b in zip(g1, g0):
@@ -236,3 +238,147 @@ def test_structure_sees_every_change_a_forward_can_make():
         assert {id(m) for m in s.modules} == expected
         self_walking = any(isinstance(m, (_SelfWalking, torch.jit.ScriptModule)) for mm in models for m in mm.modules())
         assert s.unchanged() is not self_walking  # such trees are walked afresh every time
+
+
+class _Tower(nn.Module):
+    """Linear, LayerNorm, dropout, a buffer it reads, and a submodule it uses when one is attached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.norm = nn.LayerNorm(6)
+        self.drop = nn.Dropout(0.2)
+        self.register_buffer("shift", torch.zeros(6))
+
+    def forward(self, x):
+        h = self.drop(self.norm(self.lin(x) + self.shift))
+        extra = self._modules.get("extra")
+        return h if extra is None else extra(h)
+
+
+def _between_steps():
+    """Changes a caller may make between two steps (each deterministic, so two copies get the same)."""
+    def new_weight(m):
+        g = torch.Generator().manual_seed(7)
+        m.lin.weight = nn.Parameter(torch.randn(6, 6, generator=g))
+
+    def attach(m):
+        torch.manual_seed(8)
+        m.extra = nn.Linear(6, 6)
+
+    def assign_state(m):
+        state = {k: v.clone() * 0.5 for k, v in m.state_dict().items()}
+        m.load_state_dict(state, assign=True)  # new Parameter objects
+
+    return {
+        "nothing": lambda m: None,
+        "parameter replaced": new_weight,
+        "state loaded with assign=True": assign_state,
+        "module attached": attach,
+        "module removed": lambda m: delattr(m, "norm") or setattr(m, "norm", nn.Identity()),
+        "parameter frozen": lambda m: m.lin.bias.requires_grad_(False),
+        "buffer replaced": lambda m: setattr(m, "shift", torch.ones(6)),
+        "buffer registered": lambda m: m.register_buffer("late", torch.ones(1)),
+        "parameters dict swapped": lambda m: setattr(m.lin, "_parameters", dict(m.lin._parameters)),
+        "buffer written raw": lambda m: m._buffers.__setitem__("shift", torch.full((6,), 2.0)),
+    }
+
+
+def test_carried_walks_see_every_change_between_steps():
+    """What ``walk.Carried`` hands a step equals a fresh walk, whatever changed since the last step
+    (parameters and buffers by identity, not only the module tree)."""
+    for name, change in _between_steps().items():
+        torch.manual_seed(0)
+        model = _Tower()
+        carried = walk.Carried()
+        with walk.one_walk(carried, [model]):
+            walk.submodules(model), walk.parameters(model), walk.buffers(model)
+        change(model)
+        with walk.one_walk(carried, [model]):
+            assert list(walk.submodules(model)) == list(model.modules()), name
+            assert list(walk.parameters(model)) == list(model.parameters()), name
+            assert all(a is b for a, b in zip(walk.buffers(model), model.buffers())), name
+            assert len(walk.buffers(model)) == len(list(model.buffers())), name
+            reused = walk.submodules(model)
+        with walk.one_walk(carried, [model]):  # nothing changed since: the same memo
+            assert walk.submodules(model) is reused, name
+
+
+def test_gradcache_steps_after_changes_equal_fresh_ones(monkeypatch):
+    """One GradCache stepping on after a change between steps gives the gradients (bitwise) of a
+    new GradCache's step after the same change; its second and later steps over unchanged models
+    walk none of the models' structure again."""
+    def loss_fn(a, b):
+        return bigbatch.clip_loss(a, b, 5.0)
+
+    x, y = torch.randn(12, 6), torch.randn(12, 6)
+    for name, change in _between_steps().items():
+        grads = []
+        for carried in (True, False):
+            torch.manual_seed(0)
+            mq, mp = _Tower(), _Tower()
+            cache = GradCache([mq, mp], chunk_sizes=4, loss_fn=loss_fn)
+            cache(x, y)
+            change(mp)
+            for m in (mq, mp):
+                m.zero_grad(set_to_none=True)
+            torch.manual_seed(1)
+            (cache if carried else GradCache([mq, mp], chunk_sizes=4, loss_fn=loss_fn))(x, y)
+            grads.append([(n, p.grad) for m in (mq, mp) for n, p in m.named_parameters()])
+        assert [n for n, _ in grads[0]] == [n for n, _ in grads[1]], name
+        for (n, a), (_, b) in zip(*grads):
+            assert (a is None) == (b is None), (name, n)
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{name}: {n}")
+    mq, mp = _Tower(), _Tower()
+    cache = GradCache([mq, mp], chunk_sizes=4, loss_fn=loss_fn)
+    cache(x, y)
+    calls = _count_walks(monkeypatch)
+    cache(x, y)
+    cache(x, y)
+    assert calls[0] == 0, calls[0]
+
+
+def test_compiling_between_steps_is_seen():
+    """Whether a model has a compiled part (pass 1 then runs in grad mode) is not taken from the
+    carried memo: ``module.compile()`` or a compiled ``forward`` set between steps is seen."""
+    from bigbatch.gradcache.engine import has_compiled_part
+
+    model = _Tower()
+    carried = walk.Carried()
+    for _ in range(2):
+        with walk.one_walk(carried, [model]):
+            assert not has_compiled_part(model)
+    model.lin._compiled_call_impl = model.lin._call_impl  # what module.compile() sets
+    with walk.one_walk(carried, [model]):
+        assert has_compiled_part(model)
+    model.lin._compiled_call_impl = None
+    with walk.one_walk(carried, [model]):
+        assert not has_compiled_part(model)
+    model.norm.forward = torch.compile(model.norm.forward)
+    with walk.one_walk(carried, [model]):
+        assert has_compiled_part(model)
+    del model.norm.forward
+
+    class Compiled(nn.LayerNorm):
+        pass
+
+    with walk.one_walk(carried, [model]):
+        assert not has_compiled_part(model)
+    Compiled.forward = torch.compile(nn.LayerNorm.forward)
+    model.norm.__class__ = Compiled
+    with walk.one_walk(carried, [model]):
+        assert has_compiled_part(model)
+
+
+def test_a_head_made_per_step_is_not_carried():
+    """A module ``get_rep_fn`` is wrapped with the model in a new object every step: the carried memo
+    keeps only the models' own modules, so it does not grow from step to step."""
+    model, head = _Tower(), nn.Linear(6, 4)
+    cache = GradCache([model, model], chunk_sizes=4, get_rep_fn=head, loss_fn=lambda a, b: bigbatch.clip_loss(a, b, 5.0))
+    x = torch.randn(8, 6)
+    sizes = []
+    for _ in range(4):
+        cache(x, x.flip(0))
+        sizes.append(len(cache._walks._memo or {}))
+    assert sizes[1] == sizes[2] == sizes[3], sizes

@@ -74,15 +74,33 @@ def _submodules(modules: Iterable[nn.Module], fresh: bool = False) -> List[nn.Mo
 
 def _buffer_slots(modules: Iterable[nn.Module], fresh: bool = False) -> List[Slot]:
     """Every buffer of ``modules`` (``None`` ones, lazily set later, included)."""
+    if not fresh:
+        return _slots(modules, "_buffers")
     return [(mod, "_buffers", name) for mod in _submodules(modules, fresh) for name in list(mod._buffers.keys())]
+
+
+def _slots(modules: Iterable[nn.Module], store: str) -> List[Slot]:
+    """``(module, store, name)`` of every name each submodule of ``modules`` (once each) holds in its
+    ``store`` (``"_buffers"`` / ``"_parameters"``), ``None`` entries included: the names are the
+    model's structure, memoised per model (``walk.py``; a forward registering one is seen by
+    :meth:`BufferStates.after`, which forgets the memo)."""
+    out: List[Slot] = []
+    seen: Set[int] = set()
+    for model in modules:
+        per_module = walk.memoised(store, model, lambda m: tuple((sub, tuple(getattr(sub, store).keys()))
+                                                                 for sub in walk.submodules(m)))
+        for mod, names in per_module:
+            if id(mod) not in seen:
+                seen.add(id(mod))
+                out.extend((mod, store, name) for name in names)
+    return out
 
 
 def _state_slots(modules: Iterable[nn.Module]) -> List[Slot]:
     """Every buffer, and every parameter that does not require grad if they total at most
     ``WATCH_PARAM_BYTES`` (see the module docstring; a parameter shared by several modules counts
     once, and has a slot in each, so a re-assignment through any of them is seen)."""
-    frozen = [(mod, "_parameters", name) for mod in _submodules(modules)
-              for name, p in list(mod._parameters.items()) if p is not None and not p.requires_grad]
+    frozen = [slot for slot in _slots(modules, "_parameters") if not _trained(_get(slot))]
     distinct = {id(_get(slot)): _get(slot) for slot in frozen}
     if sum(map(_nbytes, distinct.values())) > WATCH_PARAM_BYTES:
         frozen = []
@@ -143,6 +161,11 @@ def _put(slot: Slot, value: Any, original: Optional[Tensor]) -> None:
         buf.data.copy_(value)  # .data: the same storage, not the version counter
     else:
         table[name] = nn.Parameter(value.clone(), requires_grad=False) if param else value.clone()
+
+
+def _trained(p: Any) -> bool:
+    """A slot's parameter requires grad, or the slot is empty (``None``: nothing to watch)."""
+    return p is None or p is ABSENT or p.requires_grad
 
 
 def _nbytes(value: Any) -> int:
@@ -281,7 +304,10 @@ class BufferStates:
         unchanged: ``walk.Structure``), and the ``(module, name)`` of each buffer without a slot
         yet. Either changed by a forward: the step's memoised walks are dropped (``walk.forget``)."""
         if self._structure is None or not self._structure.unchanged():
-            self._structure = walk.Structure(self.modules)
+            # the step's first look starts from the walk its caller carried in (walk.Carried) if
+            # that still holds; later ones (a forward changed the structure) walk afresh
+            seed = walk.step_structure(self.modules) if self._structure is None else None
+            self._structure = seed if seed is not None and seed.unchanged() else walk.Structure(self.modules)
             candidates = [(mod, name) for mod in self._structure.modules for name in list(mod._buffers.keys())]
         else:  # the same modules and buffer names as at the last look; slots only grew since
             candidates = self._structure_unseen

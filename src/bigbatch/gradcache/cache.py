@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -220,6 +220,7 @@ class GradCache:
         self.ddp_sync = ddp_sync
         self.keep_last_graph = keep_last_graph
         self._prober = ChunkProber()
+        self._walks = walk.Carried()
         self.last_chunk_sizes: List[int] = []  # what the last step used, per input (for logs/benchmarks)
         self.last_chunk_rows: List[List[int]] = []  # per input: the rows of each chunk of the last step
         self.last_kept: int = 0  # how many chunks kept their pass-1 graph in the last step
@@ -317,9 +318,13 @@ class GradCache:
             held += cost.held(u.rows)
 
     # -- the step -------------------------------------------------------------------------
-    @walk.walked
     def cache_step(self, *inputs: Any, no_sync_except_last: Optional[bool] = None, **loss_kwargs: Any) -> Tensor:
         """Run one cached step; see the class docstring."""
+        # the walks of the models' structure, carried from the last step while it holds (walk.py)
+        with walk.one_walk(self._walks, list({id(m): m for m in self.models}.values())):
+            return self._step(inputs, no_sync_except_last, loss_kwargs)
+
+    def _step(self, inputs: Tuple[Any, ...], no_sync_except_last: Optional[bool], loss_kwargs: Dict[str, Any]) -> Tensor:
         if not inputs:
             raise ValueError("GradCache needs at least one input")
         if torch.is_inference_mode_enabled():

@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from . import walk
+
 
 def _dataclass(x: Any) -> bool:
     return dataclasses.is_dataclass(x) and not isinstance(x, type)
@@ -258,9 +260,9 @@ def model_device(model: nn.Module, inputs: Any = None) -> torch.device:
     """The device of the model's first parameter (or buffer): where its chunks are staged. A model
     that registers neither (a wrapper applying weights through ``torch.func.functional_call``)
     runs where its ``inputs`` are: the device of their first tensor (CPU if they hold none)."""
-    for t in model.parameters():
+    for t in walk.parameters(model):  # (memoised within a step: walk.py)
         return t.device
-    for t in model.buffers():
+    for t in walk.buffers(model):
         return t.device
     for t in tensor_leaves(inputs):
         return t.device

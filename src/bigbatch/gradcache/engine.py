@@ -23,6 +23,7 @@ in different orders and hang. Memory: one chunk's activations, plus kept graphs.
 from __future__ import annotations
 
 import contextlib
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -174,16 +175,25 @@ def grad_mode_dependent(model: nn.Module) -> bool:
 
 
 def has_compiled_part(model: nn.Module) -> bool:
-    """Whether a module of ``model`` is compiled (:func:`is_compiled`); once per step (``walk.py``)."""
-    return walk.memoised("compiled", model, lambda mod: any(map(is_compiled, walk.submodules(mod))))
-
-
-def is_compiled(module: nn.Module) -> bool:
-    optimized = getattr(getattr(getattr(torch, "_dynamo", None), "eval_frame", None), "OptimizedModule", ())
-    if isinstance(module, optimized) or getattr(module, "_compiled_call_impl", None) is not None:
+    """Whether a module of ``model`` is ``torch.compile`` d: an ``OptimizedModule``, one that
+    ``module.compile()`` was called on, or one whose ``forward`` (set on it, or its class's) is
+    compiled. Per step; the modules and their ``__dict__`` s are memoised with the structure
+    (carried across steps, ``walk.py``), what they hold is read each time by C-level scans."""
+    if walk.memoised("compiled classes", model, lambda mod: any(map(_class_compiled, {type(m) for m in walk.submodules(mod)}))):
         return True
-    # model.forward = torch.compile(model.forward), or a class's forward decorated with torch.compile
-    return compiled_callable(module.__dict__.get("forward", getattr(type(module), "forward", None)))
+    dicts = walk.memoised("dicts", model, lambda mod: tuple(map(vars, walk.submodules(mod))))
+    if any(map(_COMPILED_IMPL, dicts)):
+        return True
+    return any(compiled_callable(d["forward"]) for d in filter(_HAS_FORWARD, dicts))
+
+
+_COMPILED_IMPL = operator.methodcaller("get", "_compiled_call_impl")  # set by module.compile()
+_HAS_FORWARD = operator.methodcaller("__contains__", "forward")  # a forward set on the instance
+
+
+def _class_compiled(cls: type) -> bool:
+    optimized = getattr(getattr(getattr(torch, "_dynamo", None), "eval_frame", None), "OptimizedModule", ())
+    return issubclass(cls, optimized) or compiled_callable(getattr(cls, "forward", None))  # a decorated forward
 
 
 def pass_one_in_grad_mode(modules: Iterable[nn.Module], fn: Any = None) -> bool:
