@@ -21,7 +21,7 @@ import torch
 import bigbatch.gradcache.cache as cache_mod
 from bigbatch.bench.gradcache import _rep
 from bigbatch.gradcache import GradCache, engine
-from bigbatch.gradcache.accumulate import GradAccumulation
+from bigbatch.gradcache.accumulate import accumulating
 from bigbatch.gradcache.buffers import buffers_restored
 from bigbatch.gradcache.chunking import model_device, staged
 
@@ -31,31 +31,32 @@ from gradcache_fused_ab import ab_setup, full_step, interleaved, record
 def backprop_deferred(units, grads, opts):
     """engine.backprop with each re-run chunk's backward issued inside the next chunk's forward."""
     slices = engine.grad_slices(units, grads, opts)
-    engine.backprop_kept(units, slices, opts)
-    for rerun in engine.rerun_groups(units, slices):
-        model = units[rerun[0]].model
-        device = model_device(model)
-        pending = []
+    with accumulating() as accs:
+        engine.backprop_kept(units, slices, opts, None, accs)
+        for rerun in engine.rerun_groups(units, slices):
+            model = units[rerun[0]].model
+            device = model_device(model)
+            pending = []
+            acc = accs.of(model)
 
-        def flush(*_):
-            while pending:
-                rep, g = pending.pop()
-                with torch.autocast(device.type, enabled=False), acc.chunk():
-                    torch.autograd.backward(rep, g)
+            def flush(*_):
+                while pending:
+                    rep, g = pending.pop()
+                    with torch.autocast(device.type, enabled=False), acc.chunk():
+                        torch.autograd.backward(rep, g)
 
-        acc = GradAccumulation(model)
-        handle = model.encoder.register_forward_pre_hook(flush)
-        try:
-            with torch.autocast(device.type, dtype=opts.autocast_dtype), buffers_restored([model]):
-                for k, chunk in zip(rerun, staged([units[k].chunk for k in rerun], device, False)):
-                    u = units[k]
-                    with torch.enable_grad(), u.rng.replay():
-                        rep = engine._rep(opts, model, chunk, u.rows)
-                    pending.append((rep, slices[k].to(rep.device, rep.dtype)))
-                    del rep
-                flush()
-        finally:
-            handle.remove()
+            handle = model.encoder.register_forward_pre_hook(flush)
+            try:
+                with torch.autocast(device.type, dtype=opts.autocast_dtype), buffers_restored([model]):
+                    for k, chunk in zip(rerun, staged([units[k].chunk for k in rerun], device, False)):
+                        u = units[k]
+                        with torch.enable_grad(), u.rng.replay():
+                            rep = engine._rep(opts, model, chunk, u.rows)
+                        pending.append((rep, slices[k].to(rep.device, rep.dtype)))
+                        del rep
+                    flush()
+            finally:
+                handle.remove()
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bigbatch.gradcache import GradCache, accumulate, cached_encode
-from bigbatch.gradcache.accumulate import GradAccumulation
+from bigbatch.gradcache.accumulate import accumulating
 
 from helpers import assert_rel
 
@@ -121,10 +121,47 @@ def test_error_in_backward_keeps_the_gradients_set_aside():
     g = torch.ones_like(m.weight)
     m.weight.grad = g
     with pytest.raises(RuntimeError, match="boom"):
-        with GradAccumulation(m).chunk():
-            assert m.weight.grad is None
-            raise RuntimeError("boom")
-    assert m.weight.grad is g and torch.equal(g, torch.ones_like(g))
+        with accumulating() as accs:
+            with accs.of(m).chunk():
+                assert m.weight.grad is None
+            assert m.weight.grad is None  # set aside between chunks too
+            with accs.of(m).chunk():
+                m.weight.grad = torch.full_like(g, 2.0)  # (what a backward accumulated before failing)
+                raise RuntimeError("boom")
+    assert m.weight.grad is g and torch.equal(g, torch.full_like(g, 3.0))
+
+
+def test_gradients_reaching_grad_between_chunks_are_kept():
+    """Between a model's chunks its ``.grad`` is set aside (``None``); a backward that runs there
+    anyway (not one of the chunks') still counts: put back as the sum."""
+    m = nn.Linear(3, 2).to(F64)
+    x = torch.randn(4, 3, dtype=F64)
+    m.weight.grad = torch.ones_like(m.weight)
+    with accumulating() as accs:
+        with accs.of(m).chunk():
+            m(x).sum().backward()
+        m(2 * x).sum().backward()  # outside any chunk
+    expected = 1 + x.sum(0).expand(2, 3) * 3
+    torch.testing.assert_close(m.weight.grad, expected, rtol=0, atol=1e-12)
+
+
+def test_a_parameter_two_models_share_accumulates_through_both():
+    """A parameter tied between the two encoders (an embedding): each model's accumulation sets it
+    aside in turn, so its ``.grad`` sums both encoders' chunks, bit for bit as plain accumulation."""
+    def step(fused):
+        torch.manual_seed(0)
+        mq, mp = Enc().to(F64), Enc().to(F64)
+        mp.emb = mq.emb
+        torch.manual_seed(1)
+        with _fused(fused):
+            gc = GradCache([mq, mp], chunk_sizes=[3, 4], loss_fn=_loss)
+            gc(_ids(10, 2), _ids(10, 3))
+            gc(_ids(10, 4), _ids(10, 5))
+        return [p.grad for p in list(mq.parameters()) + list(mp.parameters())]
+
+    fused, plain = step(True), step(False)
+    for a, b in zip(fused, plain):
+        assert torch.equal(a, b)
 
 
 class _CountAdds(TorchDispatchMode):

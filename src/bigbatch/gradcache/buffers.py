@@ -87,12 +87,12 @@ def _slots(modules: Iterable[nn.Module], store: str) -> List[Slot]:
     out: List[Slot] = []
     seen: Set[int] = set()
     for model in modules:
-        per_module = walk.memoised(store, model, lambda m: tuple((sub, tuple(getattr(sub, store).keys()))
-                                                                 for sub in walk.submodules(m)))
-        for mod, names in per_module:
-            if id(mod) not in seen:
-                seen.add(id(mod))
-                out.extend((mod, store, name) for name in names)
+        slots = walk.memoised(store, model, lambda m: tuple((sub, store, name) for sub in walk.submodules(m)
+                                                            for name in list(getattr(sub, store).keys())))
+        ids = walk.memoised("module ids", model, lambda m: frozenset(map(id, walk.submodules(m))))
+        # (a module two models share has its slots once)
+        out.extend(slots if seen.isdisjoint(ids) else [slot for slot in slots if id(slot[0]) not in seen])
+        seen |= ids
     return out
 
 

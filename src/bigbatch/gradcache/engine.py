@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 from torch import Tensor, nn
 
-from .accumulate import GradAccumulation
+from .accumulate import Accumulations, accumulating
 from .buffers import BufferStates, buffers_restored, recording, restoring
 from .cast_scope import CastScope, drop_gradless_casts
 from .chunking import call_model, check_not_detached, model_device, staged, tensor_leaves
@@ -389,7 +389,7 @@ def _send(rep: Tensor, grad: Tensor, opts: EngineOptions, retain: bool = False) 
 
 
 def backprop_kept(units: Sequence[Unit], slices: Dict[int, Tensor], opts: EngineOptions,
-                  scope: Optional[CastScope] = None) -> Tuple[int, int]:
+                  scope: Optional[CastScope], accs: Accumulations) -> Tuple[int, int]:
     """Back-propagate (and free) every kept graph. Runs before any chunk is re-run, so kept
     activations never coexist with a re-run chunk's forward + backward. Returns (chunks with a
     gradient, of those with a graph). Autocast is off for the backward inside a scope's context."""
@@ -401,7 +401,7 @@ def backprop_kept(units: Sequence[Unit], slices: Dict[int, Tensor], opts: Engine
         rep, u.kept_rep = u.kept_rep, None
         if k in slices:
             sent += 1
-            with sync_context(u.ddps, sync=False)(), GradAccumulation(u.model).chunk(), \
+            with sync_context(u.ddps, sync=False)(), accs.of(u.model).chunk(), \
                     fast_layer_norms(model_norms(u.model)), no_amp():
                 graphs += _send(rep, slices[k], opts)
         del rep
@@ -431,18 +431,20 @@ def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: Eng
         state.check_params("the cached forward")
     slices = grad_slices(units, grads, opts)
     drop_gradless_casts()  # (an old torch: a caller's region may hold pass 1's graphless casts)
-    sent, graphs = backprop_kept(units, slices, opts, scope)
-    # Buffers: each re-run starts from what its pass-1 forward saw (BufferStates); afterwards all
-    # are put back as pass 1 left them (BatchNorm statistics are not updated a second time).
-    with buffers_restored(_distinct([u.model for u in units])):
-        for rerun in rerun_groups(units, slices, scope.model if scope is not None else None):
-            graphs += _rerun_model(units, rerun, slices, opts, scope)
-            sent += len(rerun)
+    # one fused gradient accumulation per model across its kept chunks and re-runs (accumulate.py)
+    with accumulating() as accs:
+        sent, graphs = backprop_kept(units, slices, opts, scope, accs)
+        # Buffers: each re-run starts from what its pass-1 forward saw (BufferStates); afterwards all
+        # are put back as pass 1 left them (BatchNorm statistics are not updated a second time).
+        with buffers_restored(_distinct([u.model for u in units])):
+            for rerun in rerun_groups(units, slices, scope.model if scope is not None else None):
+                graphs += _rerun_model(units, rerun, slices, opts, scope, accs)
+                sent += len(rerun)
     return sent, graphs
 
 
 def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tensor], opts: EngineOptions,
-                 scope: Optional[CastScope] = None) -> int:
+                 scope: Optional[CastScope], accs: Accumulations) -> int:
     """Re-run and back-propagate the chunks ``rerun`` (indices into ``units``) of one model;
     returns how many built a graph."""
     graphs = 0
@@ -450,7 +452,7 @@ def _rerun_model(units: Sequence[Unit], rerun: List[int], slices: Dict[int, Tens
     device = model_device(model, units[rerun[0]].chunk)
     amp = _autocast(device, opts.autocast_dtype, opts.inherit_autocast)
     no_amp = _no_autocast(device, opts.autocast_dtype, opts.inherit_autocast)
-    acc = GradAccumulation(model)
+    acc = accs.of(model)
     if opts.ddp_sync == "every_chunk" and units[rerun[0]].ddps:
         check_same_sync_count(units[rerun[0]].ddps, len(rerun))
     # As in pass 1, one autocast context (one weight cast) for every re-run chunk of the model;
