@@ -16,7 +16,9 @@ attribute reads for BERT-base; no device work).
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, List, Optional, Tuple
+import itertools
+import operator
+from typing import Dict, Iterator, Optional, Tuple
 
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
@@ -24,9 +26,29 @@ from torch.nn.parameter import is_lazy
 from . import walk
 
 
+_VERSION = operator.attrgetter("_version")
+_TRAINING = operator.attrgetter("training")
+
+
+def versioned_parameters(model: nn.Module) -> Tuple[Tensor, ...]:
+    """``model``'s parameters that have a version counter (not inference tensors, nor lazy ones not
+    materialised yet). Memoised with the structure (``walk.py``) unless a lazy one is among them:
+    materialising changes its class, not its identity."""
+    memo = walk.memoised("versioned parameters", model, _versioned_unless_lazy)
+    return memo if memo is not None else tuple(p for p in walk.parameters(model) if _versioned(p))
+
+
+def _versioned_unless_lazy(model: nn.Module) -> Optional[Tuple[Tensor, ...]]:
+    params = walk.parameters(model)
+    if any(map(is_lazy, params)):
+        return None
+    return tuple(itertools.filterfalse(Tensor.is_inference, params))
+
+
 def param_versions(model: nn.Module) -> Dict[int, int]:
     """``id(parameter) -> version`` of ``model``'s parameters (inference tensors have none)."""
-    return {id(p): p._version for p in walk.parameters(model) if _versioned(p)}
+    params = versioned_parameters(model)
+    return dict(zip(map(id, params), map(_VERSION, params)))
 
 
 def _versioned(p: Tensor) -> bool:
@@ -39,21 +61,28 @@ class ModelState:
 
     ``before``: the versions when that forward began (:func:`param_versions`); a parameter the
     forward itself modified in place (weight clipping, an EMA update under ``no_grad``) is modified
-    again by every forward, the re-run's included, so it is not checked."""
+    again by every forward, the re-run's included, so it is not checked. (Reads and checks are
+    C-level maps over the memoised modules and parameters: no Python loop per parameter.)"""
 
     def __init__(self, model: nn.Module, before: Optional[Dict[int, int]] = None) -> None:
         self.model = model
-        self.modes: List[Tuple[nn.Module, bool]] = [(m, m.training) for m in walk.submodules(model)]
-        # (names are looked up only for an error: a named walk per model and step is host time)
-        self.params: List[Tuple[Tensor, int]] = [
-            (p, p._version) for p in walk.parameters(model)
-            if _versioned(p) and (before is None or before.get(id(p)) == p._version)]
+        self.modules = walk.submodules(model)
+        self.trainings = list(map(_TRAINING, self.modules))
+        params = versioned_parameters(model)
+        versions = list(map(_VERSION, params))
+        if before is not None:  # (names are looked up only for an error)
+            unchanged = list(map(operator.eq, map(before.get, map(id, params)), versions))
+            params = tuple(itertools.compress(params, unchanged))
+            versions = list(itertools.compress(versions, unchanged))
+        self.params, self.versions = params, versions
 
     def check_params(self, what: str, during_backward: bool = False) -> None:
         """Raise if a parameter was modified in place since (``what``: the call that encoded);
         ``during_backward``: checked between the chunks of pass 2, where a hook may have written
         one (an optimizer step per parameter: the later chunks would re-run with the new weights)."""
-        changed = [p for p, v in self.params if p._version != v]
+        if list(map(_VERSION, self.params)) == self.versions:
+            return
+        changed = [p for p, v in zip(self.params, self.versions) if p._version != v]
         if changed:
             named = {id(p): n for n, p in self.model.named_parameters()}
             changed = [named.get(id(p), "(a parameter no longer registered)") for p in changed]
@@ -77,7 +106,9 @@ class ModelState:
     def modes_restored(self) -> Iterator[None]:
         """Run the body with every module in the mode of the first forward (a ``model.eval()`` in
         between would make the re-run skip dropout); the modes of now are put back on exit."""
-        differ = [(m, was) for m, was in self.modes if m.training != was]
+        now = list(map(_TRAINING, self.modules))
+        differ = [] if now == self.trainings else [(m, was) for m, was, is_ in zip(self.modules, self.trainings, now)
+                                                   if is_ != was]
         for m, was in differ:
             m.training = was
         try:
