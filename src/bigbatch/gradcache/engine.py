@@ -177,9 +177,9 @@ def grad_mode_dependent(model: nn.Module) -> bool:
 def has_compiled_part(model: nn.Module) -> bool:
     """Whether a module of ``model`` is ``torch.compile`` d: an ``OptimizedModule``, one that
     ``module.compile()`` was called on, or one whose ``forward`` (set on it, or its class's) is
-    compiled. Per step; the modules and their ``__dict__`` s are memoised with the structure
-    (carried across steps, ``walk.py``), what they hold is read each time by C-level scans."""
-    if walk.memoised("compiled classes", model, lambda mod: any(map(_class_compiled, {type(m) for m in walk.submodules(mod)}))):
+    compiled. Per step; the modules' classes and ``__dict__`` s are memoised with the structure
+    (carried across steps, ``walk.py``), what they hold is read each time (C-level scans)."""
+    if any(map(_class_compiled, walk.memoised("classes", model, lambda mod: frozenset(map(type, walk.submodules(mod)))))):
         return True
     dicts = walk.memoised("dicts", model, lambda mod: tuple(map(vars, walk.submodules(mod))))
     if any(map(_COMPILED_IMPL, dicts)):

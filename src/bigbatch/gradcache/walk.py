@@ -223,13 +223,12 @@ class Structure:
 class Carried:
     """One caller's memo (a ``GradCache``'s), carried from one step to the next while its models
     hold the same objects: the walks below then cost one :meth:`Structure.same_objects` check per
-    step. Not carried: anything after a step that called :func:`forget`, and what a class
-    attribute could change (``compiled classes``: a class's ``forward`` replaced by a compiled one;
-    instances' attributes are read at every step, ``engine.has_compiled_part``).
+    step. Not carried: anything after a step that called :func:`forget`. (So a memoised value
+    must depend only on what that check covers: classes, dicts, children, buffer names and the
+    parameter and buffer objects; attributes are read by the callers, e.g. ``training``, or a
+    class's compiled ``forward`` in ``engine.has_compiled_part``.)
     Between steps it holds the modules, parameters and buffers it last saw (as the memo did during
     the step): one replaced by the caller stays alive until the next step's check lets it go."""
-
-    NOT_CARRIED = ("compiled classes",)
 
     def __init__(self) -> None:
         self._memo: Optional[Dict[Tuple[str, int], Tuple[nn.Module, Any]]] = None
@@ -242,7 +241,7 @@ class Carried:
         if s is not None and memo is not None and len(s.models) == len(models) \
                 and all(map(operator.is_, s.models, models)) and s.same_objects():
             # (only the models' own modules: a wrapper made per step, WithHead, is not carried)
-            return {k: v for k, v in memo.items() if k[0] not in self.NOT_CARRIED and k[1] in s.ids}, s
+            return {k: v for k, v in memo.items() if k[1] in s.ids}, s
         s = Structure(models)
         s.same_objects()  # (reads the objects, for the next step's check)
         return {}, s
