@@ -145,6 +145,42 @@ def test_gradients_reaching_grad_between_chunks_are_kept():
     torch.testing.assert_close(m.weight.grad, expected, rtol=0, atol=1e-12)
 
 
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4, dtype=F64))  # first in parameter order
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale.to(x.dtype)
+
+
+def test_a_grad_of_another_dtype_accumulates_as_autograd_does():
+    """A ``.grad`` left in another dtype than its parameter (``p.data = p.data.float()`` after a
+    float64 backward) cannot be set back through ``.grad``'s setter: it is not set aside, autograd
+    adds into it as in a plain step, and every other gradient is accumulated and put back (before,
+    the put-back raised there and left the parameters after it without their ``.grad``)."""
+    def run(cached):
+        torch.manual_seed(0)
+        mq, mp = _Scaled(), _Scaled()
+        x, y = torch.randn(8, 4), torch.randn(8, 4)
+        loss = lambda a, b: _loss(a.double(), b.double())
+        loss(mq(x), mp(y)).backward()
+        with torch.no_grad():
+            mq.scale.data = mq.scale.data.float()  # its .grad stays float64
+        if cached:
+            GradCache([mq, mp], chunk_sizes=4, loss_fn=loss)(x, y)
+        else:
+            loss(mq(x), mp(y)).backward()
+        return [(n, p.grad) for m in (mq, mp) for n, p in m.named_parameters()]
+
+    cached, plain = run(True), run(False)
+    for (n, a), (_, b) in zip(cached, plain):
+        assert a is not None and a.dtype == b.dtype, n
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
+    assert cached[0][1].dtype == F64
+
+
 def test_a_parameter_two_models_share_accumulates_through_both():
     """A parameter tied between the two encoders (an embedding): each model's accumulation sets it
     aside in turn, so its ``.grad`` sums both encoders' chunks, bit for bit as plain accumulation."""

@@ -287,16 +287,23 @@ def _between_steps():
 def test_carried_walks_see_every_change_between_steps():
     """What ``walk.Carried`` hands a step equals a fresh walk, whatever changed since the last step
     (parameters and buffers by identity, not only the module tree)."""
-    for name, change in _between_steps().items():
+    from bigbatch.gradcache.buffers import _slots
+
+    changes = {**_between_steps(),  # (the same object under another name: the slots name it)
+               "parameter renamed in place": lambda m: m.lin._parameters.__setitem__("b", m.lin._parameters.pop("bias"))}
+    for name, change in changes.items():
         torch.manual_seed(0)
         model = _Tower()
         carried = walk.Carried()
         with walk.one_walk(carried, [model]):
             walk.submodules(model), walk.parameters(model), walk.buffers(model)
+            _slots([model], "_parameters"), _slots([model], "_buffers")
         change(model)
         with walk.one_walk(carried, [model]):
             assert list(walk.submodules(model)) == list(model.modules()), name
             assert list(walk.parameters(model)) == list(model.parameters()), name
+            for store in ("_parameters", "_buffers"):
+                assert _slots([model], store) == [(m, store, n) for m in model.modules() for n in getattr(m, store)], name
             assert all(a is b for a, b in zip(walk.buffers(model), model.buffers())), name
             assert len(walk.buffers(model)) == len(list(model.buffers())), name
             reused = walk.submodules(model)

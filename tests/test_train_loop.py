@@ -526,11 +526,21 @@ def _interrupted_worker(rank, world, data_path, eval_path, out):
     import signal
     import threading
 
+    from bigbatch.train.interrupt import AgreedStop
+
     cfg = TrainConfig(data=data_path, eval_data=eval_path, batch_size=64, chunk_size=16, steps=400, lr=0.02,
                       buckets=4096, dim=32, max_length=16, progress=False, out=out, device="cpu",
                       save_every=1000, eval_every=1000)
-    if rank == 1:
-        threading.Timer(3.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    if rank == 1:  # a moment after the loop took over SIGINT (a fixed delay from the start raced a
+        # slow start-up on a loaded machine: the signal came before, killing rank 1 in its set-up)
+        install = AgreedStop.install
+
+        def install_then_interrupt(self):
+            got = install(self)
+            threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+            return got
+
+        AgreedStop.install = install_then_interrupt
     try:
         train(cfg, log=lambda s: None)
     except KeyboardInterrupt:

@@ -21,6 +21,7 @@ post-accumulate-grad hook. Memory: the chunk's new gradients are held until its 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Iterator, List, Optional
 
 import torch
@@ -90,8 +91,16 @@ class GradAccumulation:
             yield
             return
         if self._aside is None:
-            self._aside = [p.grad for p in self.params]
-            if any(o is not None for o in self._aside):  # (after zero_grad(): nothing to set aside)
+            old = [p.grad for p in self.params]
+            settable = [o is None or (o.dtype == p.dtype and o.device == p.device and o.shape == p.shape)
+                        for p, o in zip(self.params, old)]
+            if not all(settable):
+                # a .grad that .grad's setter would refuse back (another dtype, device or shape,
+                # left by a `p.data = ...`) stays in place: autograd accumulates into it as usual
+                self.params = list(itertools.compress(self.params, settable))
+                old = list(itertools.compress(old, settable))
+            self._aside = old
+            if any(o is not None for o in old):  # (after zero_grad(): nothing to set aside)
                 for p in self.params:
                     p.grad = None
         try:
@@ -106,7 +115,7 @@ class GradAccumulation:
         if aside is None:
             return
         _absorb(self.params, aside)
-        for p, o in zip(self.params, aside):
+        for p, o in zip(self.params, aside):  # (each of the parameter's own dtype, device, shape)
             p.grad = o
 
 

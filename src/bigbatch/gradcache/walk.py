@@ -181,7 +181,7 @@ class Structure:
             self._children = list(itertools.chain.from_iterable(map(dict.values, self._module_dicts)))
             self._buffer_counts = list(map(len, self._buffer_dicts))
             self._buffer_names = list(itertools.chain.from_iterable(self._buffer_dicts))
-        self._objects: Optional[Tuple[List[Any], List[Any], List[Any]]] = None  # (same_objects)
+        self._objects: Optional[Tuple[List[Any], List[int], List[Any], List[Any], List[Any]]] = None  # (same_objects)
 
     def unchanged(self) -> bool:
         """No module of the walk has gained, lost or replaced a child, or a buffer name, since.
@@ -200,22 +200,24 @@ class Structure:
                 and list(map(len, buffer_dicts)) == self._buffer_counts
                 and list(itertools.chain.from_iterable(buffer_dicts)) == self._buffer_names)
 
-    def _read_objects(self) -> Tuple[List[Any], List[Any], List[Any]]:
+    def _read_objects(self) -> Tuple[List[Any], List[int], List[Any], List[Any], List[Any]]:
         params = list(map(_PARAMETERS, self._attrs))
-        return (params, list(itertools.chain.from_iterable(map(dict.values, params))),
+        return (params, list(map(len, params)), list(itertools.chain.from_iterable(params)),
+                list(itertools.chain.from_iterable(map(dict.values, params))),
                 list(itertools.chain.from_iterable(map(dict.values, self._buffer_dicts))))
 
     def same_objects(self) -> bool:
         """:meth:`unchanged`, and every module still holds the same ``_parameters`` dict, parameter
-        objects and buffer objects (by identity) as at the first call. Holds them until then."""
+        names and objects, and buffer objects (objects by identity) as at the first call. Holds
+        them until then."""
         if not self.unchanged():
             return False
         if self._objects is None:
             self._objects = self._read_objects()
             return True
-        dicts, params, bufs = self._objects
-        now_dicts, now_params, now_bufs = self._read_objects()
-        return (len(now_params) == len(params) and len(now_bufs) == len(bufs)
+        dicts, counts, names, params, bufs = self._objects
+        now_dicts, now_counts, now_names, now_params, now_bufs = self._read_objects()
+        return (now_counts == counts and now_names == names and len(now_bufs) == len(bufs)
                 and all(map(operator.is_, now_dicts, dicts)) and all(map(operator.is_, now_params, params))
                 and all(map(operator.is_, now_bufs, bufs)))
 
