@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from bigbatch.cli import main
-from bigbatch.train.data import DataError
 from bigbatch.train.loop import RunError, TrainConfig, train
 
 # A task the untrained model cannot solve lexically: query words "wN" and document words "cN"
