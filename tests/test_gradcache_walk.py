@@ -346,6 +346,25 @@ def test_gradcache_steps_after_changes_equal_fresh_ones(monkeypatch):
     assert calls[0] == 0, calls[0]
 
 
+class _ListsOwnParameters(nn.Linear):
+    """Lists its parameters its own way (here: only while ``show`` is set)."""
+
+    show = True
+
+    def named_parameters(self, *args, **kwargs):
+        return super().named_parameters(*args, **kwargs) if self.show else iter(())
+
+
+def test_models_listing_their_own_parameters_are_walked_every_step():
+    model = _ListsOwnParameters(3, 3)
+    carried = walk.Carried()
+    with walk.one_walk(carried, [model]):
+        assert len(walk.parameters(model)) == 2
+    model.show = False  # (an attribute: no object changed)
+    with walk.one_walk(carried, [model]):
+        assert list(walk.parameters(model)) == list(model.parameters()) == []
+
+
 def test_compiling_between_steps_is_seen():
     """Whether a model has a compiled part (pass 1 then runs in grad mode) is not taken from the
     carried memo: ``module.compile()`` or a compiled ``forward`` set between steps is seen."""

@@ -146,6 +146,19 @@ def _walks_itself(cls: type) -> bool:
     return known
 
 
+_MEMBER_WALKS = ("parameters", "named_parameters", "buffers", "named_buffers", "_named_members")
+_OWN_MEMBERS: Dict[type, bool] = {}
+
+
+def _lists_own_members(cls: type) -> bool:
+    """Whether ``cls`` overrides how its parameters or buffers are listed (what it lists may depend
+    on more than the objects it holds: such a model's walks are not carried across steps)."""
+    known = _OWN_MEMBERS.get(cls)
+    if known is None:
+        known = _OWN_MEMBERS[cls] = any(getattr(cls, n, None) is not getattr(nn.Module, n) for n in _MEMBER_WALKS)
+    return known
+
+
 _MODULES = operator.itemgetter("_modules")  # read from a module's instance __dict__ (no MRO lookup)
 _BUFFERS = operator.itemgetter("_buffers")
 _PARAMETERS = operator.itemgetter("_parameters")
@@ -171,6 +184,9 @@ class Structure:
         self._exact = not any(_walks_itself(type(m)) or isinstance(m, torch.jit.ScriptModule)
                               or type(vars(m).get("_modules")) is not dict
                               or type(vars(m).get("_buffers")) is not dict for m in self.modules)
+        # (same_objects: parameters held in plain dicts, and walked by nn.Module's own methods)
+        self._plain_members = self._exact and not any(
+            type(vars(m).get("_parameters")) is not dict or _lists_own_members(type(m)) for m in self.modules)
         if self._exact:
             # holding the modules (so every child seen) and the dicts keeps their ids from reuse
             self._types = list(map(type, self.modules))  # (a class swapped in may walk itself)
@@ -210,7 +226,7 @@ class Structure:
         """:meth:`unchanged`, and every module still holds the same ``_parameters`` dict, parameter
         names and objects, and buffer objects (objects by identity) as at the first call. Holds
         them until then."""
-        if not self.unchanged():
+        if not self._plain_members or not self.unchanged():
             return False
         if self._objects is None:
             self._objects = self._read_objects()
@@ -230,7 +246,10 @@ class Carried:
     parameter and buffer objects; attributes are read by the callers, e.g. ``training``, or a
     class's compiled ``forward`` in ``engine.has_compiled_part``.)
     Between steps it holds the modules, parameters and buffers it last saw (as the memo did during
-    the step): one replaced by the caller stays alive until the next step's check lets it go."""
+    the step): one replaced by the caller stays alive, with its ``.grad``, until the next step's
+    check lets it go. Models with a class that lists its own parameters or buffers (overrides
+    ``parameters()`` and the like) or holds them in another mapping than a dict are walked afresh
+    at every step."""
 
     def __init__(self) -> None:
         self._memo: Optional[Dict[Tuple[str, int], Tuple[nn.Module, Any]]] = None
