@@ -5,8 +5,9 @@ gradient into its existing ``.grad`` with one kernel per parameter (about 200 fo
 encoder), while a parameter whose ``.grad`` is ``None`` simply adopts the new gradient (no
 kernel). :class:`GradAccumulation` uses that: it sets the model's ``.grad`` tensors aside, lets each
 chunk's backward adopt fresh gradients, adds them into the set-aside tensors with
-``torch._foreach_add_`` (a handful of launches), and puts them back after the model's last chunk. Each element gets the same one rounding as
-``old += new``; layouts, tensor identity and views of ``.grad`` are preserved.
+``torch._foreach_add_`` (a handful of launches), and puts them back after the model's last
+chunk. Each element gets the same one rounding as ``old += new``; layouts, tensor identity and
+views of ``.grad`` are preserved.
 
 Why it matters: a small chunk's backward is short (about 60 ms for 290 BERT rows on an H200),
 and on a host whose kernel launches are slow the GPU waits for them; ~200 fewer launches per

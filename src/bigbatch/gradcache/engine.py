@@ -179,7 +179,8 @@ def has_compiled_part(model: nn.Module) -> bool:
     ``module.compile()`` was called on, or one whose ``forward`` (set on it, or its class's) is
     compiled. Per step; the modules' classes and ``__dict__`` s are memoised with the structure
     (carried across steps, ``walk.py``), what they hold is read each time (C-level scans)."""
-    if any(map(_class_compiled, walk.memoised("classes", model, lambda mod: frozenset(map(type, walk.submodules(mod)))))):
+    classes = walk.memoised("classes", model, lambda mod: frozenset(map(type, walk.submodules(mod))))
+    if any(map(_class_compiled, classes)):
         return True
     dicts = walk.memoised("dicts", model, lambda mod: tuple(map(vars, walk.submodules(mod))))
     if any(map(_COMPILED_IMPL, dicts)):
