@@ -60,23 +60,11 @@ PENDING = _Marker("PENDING")  # before the step's first forward
 LAZY = _Marker("LAZY")  # an uninitialised (lazy) buffer: left as it is
 
 
-def _submodules(modules: Iterable[nn.Module], fresh: bool = False) -> List[nn.Module]:
-    """Every submodule of ``modules`` once (shared ones included); ``fresh``: walked now, not
-    taken from the step's memo (``walk.py``), to see what a forward attached."""
-    if fresh:
-        return walk.fresh_submodules(modules)
-    out: Dict[int, nn.Module] = {}
-    for model in modules:
-        for mod in walk.submodules(model):
-            out.setdefault(id(mod), mod)
-    return list(out.values())
-
-
 def _buffer_slots(modules: Iterable[nn.Module], fresh: bool = False) -> List[Slot]:
     """Every buffer of ``modules`` (``None`` ones, lazily set later, included)."""
     if not fresh:
         return _slots(modules, "_buffers")
-    return [(mod, "_buffers", name) for mod in _submodules(modules, fresh) for name in list(mod._buffers.keys())]
+    return [(mod, "_buffers", name) for mod in walk.fresh_submodules(modules) for name in list(mod._buffers.keys())]
 
 
 def _slots(modules: Iterable[nn.Module], store: str) -> List[Slot]:
@@ -89,11 +77,16 @@ def _slots(modules: Iterable[nn.Module], store: str) -> List[Slot]:
     for model in modules:
         slots = walk.memoised(store, model, lambda m: tuple((sub, store, name) for sub in walk.submodules(m)
                                                             for name in list(getattr(sub, store).keys())))
-        ids = walk.memoised("module ids", model, lambda m: frozenset(map(id, walk.submodules(m))))
+        ids = _module_ids(model)
         # (a module two models share has its slots once)
         out.extend(slots if seen.isdisjoint(ids) else [slot for slot in slots if id(slot[0]) not in seen])
         seen |= ids
     return out
+
+
+def _module_ids(model: nn.Module) -> frozenset:
+    """The ids of ``model``'s submodules (memoised, ``walk.py``)."""
+    return walk.memoised("module ids", model, lambda m: frozenset(map(id, walk.submodules(m))))
 
 
 def _state_slots(modules: Iterable[nn.Module]) -> List[Slot]:
@@ -226,7 +219,7 @@ class BufferStates:
         # per tuple of models: the modules wrapped by DDP modules nested inside them, found once (a
         # walk over every submodule, ~0.25 ms for a BERT: per chunk it would cost a host-bound step)
         self._nested: Dict[Tuple[int, ...], Dict[int, nn.Module]] = {}
-        self._module_ids = {id(m) for m in _submodules(self.modules)}  # as of the last look (after())
+        self._module_ids = set().union(*map(_module_ids, self.modules))  # as of the last look (after())
         self._structure: Optional[walk.Structure] = None  # the last fresh walk (_unseen_buffers)
         self._structure_unseen: List[Tuple[nn.Module, str]] = []  # what it found without a slot
 

@@ -83,24 +83,23 @@ class ModelState:
         if list(map(_VERSION, self.params)) == self.versions:
             return
         changed = [p for p, v in zip(self.params, self.versions) if p._version != v]
-        if changed:
-            named = {id(p): n for n, p in self.model.named_parameters()}
-            changed = [named.get(id(p), "(a parameter no longer registered)") for p in changed]
-            names = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
-            if during_backward:
-                raise RuntimeError(
-                    f"parameters of the encoder were modified in place during the cached backward ({names}), "
-                    "e.g. by an optimizer step in a post-accumulate-grad hook (optimizer-in-backward): each "
-                    "chunk's backward accumulates into .grad and the later chunks are re-run with the "
-                    "weights of the first forward, which must not change until every chunk is back-"
-                    "propagated: step the optimizer after the backward")
+        named = {id(p): n for n, p in self.model.named_parameters()}
+        changed = [named.get(id(p), "(a parameter no longer registered)") for p in changed]
+        names = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+        if during_backward:
             raise RuntimeError(
-                f"parameters of the encoder were modified in place after {what} and before the backward "
-                f"({names}; e.g. an optimizer step): the chunks would be re-run with the new values, a "
-                "gradient of another forward than the loss's (a plain graph raises where it saved such a "
-                "weight): back-propagate first, then update the parameters. (Every parameter of the model "
-                "is checked, also one its forward does not use: a logit scale that the loss clamps in place "
-                "belongs outside the encoders, or is clamped after the backward.)")
+                f"parameters of the encoder were modified in place during the cached backward ({names}), "
+                "e.g. by an optimizer step in a post-accumulate-grad hook (optimizer-in-backward): each "
+                "chunk's backward accumulates into .grad and the later chunks are re-run with the "
+                "weights of the first forward, which must not change until every chunk is back-"
+                "propagated: step the optimizer after the backward")
+        raise RuntimeError(
+            f"parameters of the encoder were modified in place after {what} and before the backward "
+            f"({names}; e.g. an optimizer step): the chunks would be re-run with the new values, a "
+            "gradient of another forward than the loss's (a plain graph raises where it saved such a "
+            "weight): back-propagate first, then update the parameters. (Every parameter of the model "
+            "is checked, also one its forward does not use: a logit scale that the loss clamps in place "
+            "belongs outside the encoders, or is clamped after the backward.)")
 
     @contextlib.contextmanager
     def modes_restored(self) -> Iterator[None]:

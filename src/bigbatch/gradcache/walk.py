@@ -83,9 +83,7 @@ def step_structure(models: Sequence[nn.Module]) -> Optional["Structure"]:
     """The carried walk's :class:`Structure` of exactly ``models`` (in this order) at this step's
     start, while nothing was forgotten since; else ``None``."""
     s = getattr(_LOCAL, "structure", None)
-    if s is not None and len(s.models) == len(models) and all(map(operator.is_, s.models, models)):
-        return s
-    return None
+    return s if s is not None and s.walks(models) else None
 
 
 def memoised(kind: str, module: nn.Module, compute: Callable[[nn.Module], Any]) -> Any:
@@ -185,9 +183,6 @@ class Structure:
         self._exact = not any(_walks_itself(type(m)) or isinstance(m, torch.jit.ScriptModule)
                               or type(vars(m).get("_modules")) is not dict
                               or type(vars(m).get("_buffers")) is not dict for m in self.modules)
-        # (same_objects: parameters held in plain dicts, and walked by nn.Module's own methods)
-        self._plain_members = self._exact and not any(
-            type(vars(m).get("_parameters")) is not dict or _lists_own_members(type(m)) for m in self.modules)
         if self._exact:
             # holding the modules (so every child seen) and the dicts keeps their ids from reuse
             self._types = list(map(type, self.modules))  # (a class swapped in may walk itself)
@@ -217,6 +212,10 @@ class Structure:
                 and list(map(len, buffer_dicts)) == self._buffer_counts
                 and list(itertools.chain.from_iterable(buffer_dicts)) == self._buffer_names)
 
+    def walks(self, models: Sequence[nn.Module]) -> bool:
+        """Whether this is a walk of exactly ``models`` (the same objects, in this order)."""
+        return len(self.models) == len(models) and all(map(operator.is_, self.models, models))
+
     def _read_objects(self) -> Tuple[List[Any], List[int], List[Any], List[Any], List[Any]]:
         params = list(map(_PARAMETERS, self._attrs))
         return (params, list(map(len, params)), list(itertools.chain.from_iterable(params)),
@@ -227,9 +226,13 @@ class Structure:
         """:meth:`unchanged`, and every module still holds the same ``_parameters`` dict, parameter
         names and objects, and buffer objects (objects by identity) as at the first call. Holds
         them until then."""
-        if not self._plain_members or not self.unchanged():
+        if not self.unchanged():
             return False
         if self._objects is None:
+            # parameters held in plain dicts and listed by nn.Module's own methods, or never carried
+            if any(type(d.get("_parameters")) is not dict or _lists_own_members(t)
+                   for d, t in zip(self._attrs, self._types)):
+                return False
             self._objects = self._read_objects()
             return True
         dicts, counts, names, params, bufs = self._objects
@@ -260,8 +263,7 @@ class Carried:
         """(the memo to start a step with, the :class:`Structure` of ``models`` now)."""
         s, memo = self._structure, self._memo
         self._structure = self._memo = None  # (kept again by keep() at the step's end)
-        if s is not None and memo is not None and len(s.models) == len(models) \
-                and all(map(operator.is_, s.models, models)) and s.same_objects():
+        if s is not None and memo is not None and s.walks(models) and s.same_objects():
             # (only the models' own modules: a wrapper made per step, WithHead, is not carried)
             return {k: v for k, v in memo.items() if k[1] in s.ids}, s
         s = Structure(models)
