@@ -1,10 +1,24 @@
 """Host time per LayerNorm call on the GPU machine: PyTorch's against the one-pass kernel's
-``OnePassLayerNorm`` (``gradcache/norms.py``), forward and backward, and the kernel's launch alone.
+``OnePassLayerNorm`` (``gradcache/norms.py``), forward and backward, and the pieces of the
+latter's backward taken apart (session 22):
+
+* ``fn_empty``: an autograd Function around ``F.layer_norm`` whose backward launches nothing
+  (returns gradients made beforehand): what a Python backward node costs by itself;
+* ``fn_native``: the same Function with PyTorch's own backward kernel (``native_layer_norm_backward``):
+  a Python node plus PyTorch's launches;
+* ``onepass_body``: the wall time spent inside ``LayerNormFunction.backward`` itself, per call;
+* ``launch_jit`` / ``launch_runner``: the Triton kernel alone launched through ``kernel[grid](...)``
+  (Triton's argument binding and specialisation per call) and through the compiled kernel's own
+  runner (``CompiledKernel[grid]``: the driver's launcher only), on the main thread, and
+  ``launch_jit_thread`` the former from a second Python thread (autograd runs the backward on its
+  device thread).
 
 Small rows (64 x 768, bf16 autocast), so that the GPU finishes each call long before the host
 issues the next: the wall time per call is the host's. Medians of 5 runs of 2,000 calls.
 
     python experiments/gradcache_norm_host_probe.py --out /tmp/norm_host.json
+    py-spy record --native --threads -r 2000 -f raw -o /tmp/spin.txt -- \
+        python experiments/gradcache_norm_host_probe.py --out /tmp/norm_host.json --spin 6
 """
 
 from __future__ import annotations
@@ -12,14 +26,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from bigbatch.bench.common import hardware
 from bigbatch.gradcache import norms
-from bigbatch.gradcache.norm_kernel import layer_norm_backward
+from bigbatch.gradcache.norm_kernel import _launch_plan, _sms, layer_norm_backward, layer_norm_bwd_kernel
 
 
 def per_call_us(fn, n: int = 2000) -> float:
@@ -36,9 +52,50 @@ def per_call_us(fn, n: int = 2000) -> float:
     return statistics.median(runs)
 
 
+class EmptyBackward(torch.autograd.Function):
+    """``F.layer_norm`` whose backward returns gradients made beforehand (no launch)."""
+    grads = None
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight, bias)
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, 1e-12)
+
+    @staticmethod
+    def backward(ctx, dy):
+        ctx.saved_tensors
+        return EmptyBackward.grads
+
+
+class NativeBackward(torch.autograd.Function):
+    """``native_layer_norm`` differentiated by PyTorch's own backward kernel, from Python."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        out, mean, rstd = torch.ops.aten.native_layer_norm(x, (x.shape[-1],), weight, bias, 1e-12)
+        ctx.save_for_backward(x, mean, rstd, weight, bias)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, mean, rstd, weight, bias = ctx.saved_tensors
+        return torch.ops.aten.native_layer_norm_backward(dy, x, (x.shape[-1],), mean, rstd, weight, bias,
+                                                        [True, True, True])
+
+
+def in_thread_us(fn) -> float:
+    out = []
+    t = threading.Thread(target=lambda: out.append(per_call_us(fn)))
+    t.start()
+    t.join()
+    return out[0]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--spin", type=float, default=0.0,
+                   help="then loop OnePassLayerNorm's forward + backward this many seconds (for py-spy)")
     args = p.parse_args()
     dev = torch.device("cuda")
     ln = nn.LayerNorm(768).to(dev)
@@ -55,23 +112,73 @@ def main() -> None:
     res = {"hardware": hardware(), "shape": [64, 768]}
     res["pytorch_fwd_us"] = per_call_us(fwd)
     res["pytorch_fwd_bwd_us"] = per_call_us(fwd_bwd)
+    EmptyBackward.grads = (torch.zeros_like(x), torch.zeros_like(ln.weight), torch.zeros_like(ln.bias))
+    for name, fn in (("fn_empty", EmptyBackward), ("fn_native", NativeBackward)):
+        def f(fn=fn):
+            with torch.autocast(**amp):
+                return fn.apply(x, ln.weight, ln.bias)
+        res[f"{name}_fwd_us"] = per_call_us(f)
+        res[f"{name}_fwd_bwd_us"] = per_call_us(lambda f=f: f().float().sum().backward())
     saved = norms.ENABLED
     norms.ENABLED = True
+    body = []
+    original = norms.LayerNormFunction.backward
+
+    def timed_backward(ctx, dy):
+        t0 = time.perf_counter()
+        out = original(ctx, dy)
+        body.append(time.perf_counter() - t0)
+        return out
     try:
         with norms.fast_layer_norms(norms.model_norms(ln)):
             assert type(ln) is norms.OnePassLayerNorm
             res["onepass_fwd_us"] = per_call_us(fwd)
             res["onepass_fwd_bwd_us"] = per_call_us(fwd_bwd)
             res["kernel_applies_us"] = per_call_us(lambda: norms.kernel_applies(ln, x))
+            norms.LayerNormFunction.backward = staticmethod(timed_backward)
+            per_call_us(fwd_bwd)
+            res["onepass_body_us"] = statistics.median(body) * 1e6
     finally:
+        norms.LayerNormFunction.backward = staticmethod(original)
         norms.ENABLED = saved
     xb = x.detach().to(torch.bfloat16)
     dy = torch.randn_like(xb)
     res["kernel_launch_us"] = per_call_us(lambda: layer_norm_backward(xb, dy, ln.weight, 1e-12, True, True, True))
+    # the launch alone: outputs made beforehand
+    m, n = xb.shape
+    block_n, block_m, warps, programs, rows = _launch_plan(m, n, xb.element_size(), _sms(xb.get_device()))
+    dx = torch.empty_like(xb)
+    part = torch.empty((2, programs, n), device=dev, dtype=torch.float32)
+    call = (xb, dy, ln.weight, dx, part, part[1], m, n, 1.0 / n, rows, 1e-12, xb.stride(0), dy.stride(0))
+    consts = dict(HAS_W=True, NEED_DX=True, NEED_DW=True, NEED_DB=True, BLOCK_M=block_m, BLOCK_N=block_n)
+
+    def jit():
+        return layer_norm_bwd_kernel[(programs,)](*call, **consts, num_warps=warps)
+    compiled = jit()
+    res["launch_jit_us"] = per_call_us(jit)
+    res["launch_jit_thread_us"] = in_thread_us(jit)
+    try:
+        runner = compiled[(programs, 1, 1)]
+        full = call + tuple(consts.values())
+        try:
+            runner(*full)
+        except Exception:  # a Triton whose runner takes the non-constexpr arguments only
+            full = call
+            runner(*full)
+        res["launch_runner_us"] = per_call_us(lambda: runner(*full))
+        res["launch_runner_thread_us"] = in_thread_us(lambda: runner(*full))
+    except Exception as exc:  # noqa: BLE001 -- a probe: record what this Triton did
+        res["launch_runner_error"] = repr(exc)
     res["empty_us"] = per_call_us(lambda: torch.empty(64, 768, device=dev))
     print(json.dumps(res, indent=1))
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
+    if args.spin:
+        norms.ENABLED = True
+        with norms.fast_layer_norms(norms.model_norms(ln)):
+            start = time.perf_counter()
+            while time.perf_counter() - start < args.spin:
+                fwd_bwd()
 
 
 if __name__ == "__main__":

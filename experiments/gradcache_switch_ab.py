@@ -101,16 +101,14 @@ def main() -> None:
             row[name] = {"median_ms": statistics.median(got[name]["ms"]), "over_full": statistics.median(got[name]["ms"]) / row["full_ms"],
                          "issue_median_ms": statistics.median(got[name]["issue_ms"]), **got[name],
                          "busy_ms": prof["busy_ms"], "idle_in_span_ms": prof["idle_in_span_ms"], "kernels": prof["kernels"]}
-        # each arm's gradients from zero under one seed, against the first arm's; and its peak. A step
-        # from .grad None first: the planner may measure (and draw random numbers) once for it
+        # each arm's gradients from zero under one seed, against the first arm's; and its peak. The
+        # .grad tensors are zeroed, not dropped: the plan (and so every chunk's dropout masks) stays
+        # the timed steps' in every arm, so the arms' gradients are comparable
         first = None
         for name, ctx in arms.items():
             with ctx():
                 for m in (mq, mp):
-                    m.zero_grad(set_to_none=True)
-                bb(qi, pi)
-                for m in (mq, mp):
-                    m.zero_grad(set_to_none=True)
+                    m.zero_grad(set_to_none=False)
                 torch.manual_seed(0)
                 torch.cuda.reset_peak_memory_stats()
                 bb(qi, pi)

@@ -19,6 +19,14 @@ from torch.autograd.function import once_differentiable
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+# torch's queries, looked up once (some run per LayerNorm call; absent on older torch versions)
+_FUNCTORCH = getattr(torch._C, "_functorch", None)
+_WRAPPED = getattr(_FUNCTORCH, "is_functorch_wrapped_tensor", None)
+_BATCHED = tuple(c for c in (getattr(_FUNCTORCH, n, None) for n in ("is_legacy_batchedtensor", "is_batchedtensor"))
+                 if c is not None)
+_TRANSFORMS_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
+_IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+
 _LOSSES = ("the tiled losses (backends 'torch' and 'triton', and the ring over a process group)",
            "for second derivatives of a loss use backend='reference' on one process")
 
@@ -53,13 +61,12 @@ def transformed(*tensors: Any) -> bool:
     it must go through the Function, which refuses it with torch's own clear error."""
     if _compiling():  # dynamo cannot trace the functorch query; a compiled graph sees plain tensors
         return False
-    wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
     # tangents exist only inside a dual_level context (cheap to ask: this runs per LayerNorm call)
     duals = getattr(forward_ad, "_current_level", 0) >= 0
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             continue
-        if wrapped is not None and wrapped(t):
+        if _WRAPPED is not None and _WRAPPED(t):
             return True
         if duals and forward_ad.unpack_dual(t).tangent is not None:
             return True
@@ -76,24 +83,19 @@ def refuse_transformed(what: str, *tensors: Any) -> None:
 
 
 def _compiling() -> bool:
-    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    return bool(is_compiling()) if is_compiling is not None else False
+    return bool(_IS_COMPILING()) if _IS_COMPILING is not None else False
 
 
 def batched(*tensors: Any) -> bool:
     """Whether a tensor is batched by vmap: the legacy batching of ``autograd.grad(...,
     is_grads_batched=True)`` or ``torch.func.vmap``'s."""
-    functorch = getattr(torch._C, "_functorch", None)
-    checks = [getattr(functorch, n, None) for n in ("is_legacy_batchedtensor", "is_batchedtensor")]
-    checks = [c for c in checks if c is not None]
-    return any(isinstance(t, torch.Tensor) and c(t) for t in tensors for c in checks)
+    return any(isinstance(t, torch.Tensor) and c(t) for t in tensors for c in _BATCHED)
 
 
 def functorch_active() -> bool:
     """Whether a ``torch.func`` transform (vmap, grad, jvp) is running now, whatever its inputs:
     an autograd Function without ``setup_context`` is refused inside one."""
-    active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    return bool(active()) if active is not None else False
+    return bool(_TRANSFORMS_ACTIVE()) if _TRANSFORMS_ACTIVE is not None else False
 
 
 def refuse_batched(what: str, instead: str, grads: Any) -> None:

@@ -22,9 +22,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# widest row handled: a row lives in registers (BLOCK_N fp32 values per row of the tile)
-MAX_N = 8192
-
 
 @triton.jit
 def layer_norm_bwd_kernel(
@@ -92,15 +89,16 @@ def _launch_plan(m: int, n: int, elem_bytes: int, sms: int, block_m: Optional[in
 
 
 @functools.lru_cache(maxsize=16)
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+def _sms(device: int) -> int:
+    """Multiprocessors of CUDA device ``device`` (an index; -1: the CPU, under Triton's interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device >= 0 else 1
 
 
 def layer_norm_backward(
     x: Tensor, dy: Tensor, weight: Optional[Tensor], eps: float, need_dx: bool, need_dw: bool, need_db: bool,
 ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Gradients of ``layer_norm(x, weight, bias, eps)`` over the last dimension of the 2-D ``x`` and
-    ``dy`` (``M x N``, N <= MAX_N): ``dx`` in ``x``'s dtype, ``dw`` / ``db`` (``(N,)``, fp32); each ``None``
+    ``dy`` (``M x N``, N <= ``norms.MAX_N``: a row lives in registers, BLOCK_N fp32 values per row of the tile): ``dx`` in ``x``'s dtype, ``dw`` / ``db`` (``(N,)``, fp32); each ``None``
     unless asked for. Launches: the kernel, and one sum of the partial rows when ``dw`` or ``db`` is asked."""
     m, n = x.shape
     if x.stride(-1) != 1:
@@ -113,7 +111,7 @@ def layer_norm_backward(
     if m == 0:
         zeros = torch.zeros(n, device=x.device, dtype=torch.float32)
         return dx, (zeros if need_dw else None), (zeros.clone() if need_db else None)
-    block_n, block_m, warps, programs, rows_per_prog = _launch_plan(m, n, x.element_size(), _sms(x.device))
+    block_n, block_m, warps, programs, rows_per_prog = _launch_plan(m, n, x.element_size(), _sms(x.get_device()))
     part = torch.empty((2, programs, n), device=x.device, dtype=torch.float32) if need_dw or need_db else x
     layer_norm_bwd_kernel[(programs,)](
         x, dy, x if weight is None else weight, x if dx is None else dx, part, part[1] if need_dw or need_db else x,
@@ -123,5 +121,5 @@ def layer_norm_backward(
     )
     if not (need_dw or need_db):
         return dx, None, None
-    sums = part.sum(1)
-    return dx, (sums[0] if need_dw else None), (sums[1] if need_db else None)
+    dw, db = part.sum(1).unbind(0)
+    return dx, (dw if need_dw else None), (db if need_db else None)

@@ -29,6 +29,8 @@ from .._autograd import _compiling, batched, functorch_active, transformed
 from . import walk
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# widest row the kernel takes (a row lives in registers: norm_kernel.py)
+MAX_N = 8192
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -44,29 +46,37 @@ class LayerNormFunction(torch.autograd.Function):
         out = F.layer_norm(x, normalized_shape, weight, bias, eps)  # autocast, if on, applies here as outside
         ctx.save_for_backward(x, weight, bias)
         ctx.eps = eps
-        ctx.shape = tuple(normalized_shape)
-        ctx.row = math.prod(ctx.shape)
+        ctx.shape = normalized_shape
         device = x.device.type
         ctx.amp = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         return out
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        from .norm_kernel import layer_norm_backward
-
         x, weight, bias = ctx.saved_tensors
         if torch.is_grad_enabled() or batched(dy):  # create_graph=True; is_grads_batched (a vmapped backward)
             return _differentiable_backward(ctx, dy, x, weight, bias)
         need_dx, _, need_dw, need_db, _ = ctx.needs_input_grad
-        n = ctx.row
-        dx, dw, db = layer_norm_backward(
+        shape = ctx.shape
+        n = shape[0] if len(shape) == 1 else math.prod(shape)
+        dx, dw, db = _kernel().layer_norm_backward(
             x if x.dim() == 2 and x.shape[1] == n else x.reshape(-1, n),  # (a copy only for a non-viewable layout)
             dy if dy.dim() == 2 and dy.shape[1] == n else dy.reshape(-1, n),
             weight if weight is None or weight.dim() == 1 else weight.reshape(n), ctx.eps, need_dx, need_dw, need_db)
-        if dx is not None and dx.shape != x.shape:
+        if dx is not None and dx.dim() != x.dim():
             dx = dx.view(x.shape)
-        return (dx, None, _param_grad(dw, weight, ctx.shape),
-                _param_grad(db, bias, ctx.shape), None)
+        return dx, None, _param_grad(dw, weight, shape), _param_grad(db, bias, shape), None
+
+
+_KERNEL = []
+
+
+def _kernel():
+    """``norm_kernel`` (imports Triton), imported at the first backward."""
+    if not _KERNEL:
+        from . import norm_kernel
+        _KERNEL.append(norm_kernel)
+    return _KERNEL[0]
 
 
 def _differentiable_backward(ctx, dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]):
@@ -90,7 +100,7 @@ def _param_grad(g: Optional[Tensor], param: Optional[Tensor], shape: Tuple[int, 
         return None
     if len(shape) > 1:
         g = g.view(shape)
-    return g if g.dtype == param.dtype else g.to(param.dtype)
+    return g if g.dtype is param.dtype else g.to(param.dtype)
 
 
 def on_kernel_device(t: Tensor) -> bool:
@@ -104,12 +114,12 @@ def kernel_applies(module: nn.Module, x: Tensor) -> bool:
     the kernel takes (after autocast: fp16 / bf16 / fp32), no ``torch.func`` transform running
     (whatever its inputs) and no input carrying a forward-mode tangent (the Function has neither a vmap nor a jvp rule:
     PyTorch's layer norm has both), and not traced by ``torch.compile`` (a compiled function inside
-    an uncompiled forward, which ``model_norms`` cannot see: the compiler fuses norms itself)."""
-    from .norm_kernel import MAX_N
-
+    an uncompiled forward, which ``model_norms`` cannot see: the compiler fuses norms itself).
+    (Runs per LayerNorm call: the cheapest tests first.)"""
+    if not torch.is_grad_enabled() or x.dtype not in _KERNEL_DTYPES or not on_kernel_device(x):
+        return False
     w, b = module.weight, module.bias
-    return (torch.is_grad_enabled() and on_kernel_device(x) and x.dtype in _KERNEL_DTYPES
-            and (w is not None and w.requires_grad or b is not None and b.requires_grad)
+    return ((w is not None and w.requires_grad or b is not None and b.requires_grad)
             and (w is None or w.dtype in _KERNEL_DTYPES) and (b is None or b.dtype in _KERNEL_DTYPES)
             and math.prod(module.normalized_shape) <= MAX_N and not _compiling() and not functorch_active()
             and not transformed(x, w, b))
