@@ -7,17 +7,18 @@ latter's backward taken apart (session 22):
 * ``fn_native``: the same Function with PyTorch's own backward kernel (``native_layer_norm_backward``):
   a Python node plus PyTorch's launches;
 * ``onepass_body``: the wall time spent inside ``LayerNormFunction.backward`` itself, per call;
-* ``launch_jit`` / ``launch_runner``: the Triton kernel alone launched through ``kernel[grid](...)``
-  (Triton's argument binding and specialisation per call) and through the compiled kernel's own
-  runner (``CompiledKernel[grid]``: the driver's launcher only), on the main thread, and
-  ``launch_jit_thread`` the former from a second Python thread (autograd runs the backward on its
-  device thread).
+* ``launch_jit`` / ``launch_runner`` / ``launch_direct``: the Triton kernel alone launched through
+  ``kernel[grid](...)`` (Triton's argument binding and specialisation per call), through the
+  compiled kernel's own runner (``CompiledKernel[grid]``: the driver's launcher only), and through
+  ``norm_kernel.launch`` (the runner behind the library's specialisation key);
+* ``onepass_jit_fwd_bwd``: ``OnePassLayerNorm`` with ``norm_kernel.DIRECT`` off (every launch
+  through the JIT).
 
 Small rows (64 x 768, bf16 autocast), so that the GPU finishes each call long before the host
 issues the next: the wall time per call is the host's. Medians of 5 runs of 2,000 calls.
 
     python experiments/gradcache_norm_host_probe.py --out /tmp/norm_host.json
-    py-spy record --native --threads -r 2000 -f raw -o /tmp/spin.txt -- \
+    py-spy record --threads -r 1000 -f raw -o /tmp/spin.txt -- \
         python experiments/gradcache_norm_host_probe.py --out /tmp/norm_host.json --spin 6
 """
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import threading
 import time
 
 import torch
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bigbatch.bench.common import hardware
-from bigbatch.gradcache import norms
+from bigbatch.gradcache import norm_kernel, norms
 from bigbatch.gradcache.norm_kernel import _launch_plan, _sms, layer_norm_backward, layer_norm_bwd_kernel
 
 
@@ -83,14 +83,6 @@ class NativeBackward(torch.autograd.Function):
                                                         [True, True, True])
 
 
-def in_thread_us(fn) -> float:
-    out = []
-    t = threading.Thread(target=lambda: out.append(per_call_us(fn)))
-    t.start()
-    t.join()
-    return out[0]
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -135,6 +127,9 @@ def main() -> None:
             res["onepass_fwd_us"] = per_call_us(fwd)
             res["onepass_fwd_bwd_us"] = per_call_us(fwd_bwd)
             res["kernel_applies_us"] = per_call_us(lambda: norms.kernel_applies(ln, x))
+            norm_kernel.DIRECT = False
+            res["onepass_jit_fwd_bwd_us"] = per_call_us(fwd_bwd)
+            norm_kernel.DIRECT = True
             norms.LayerNormFunction.backward = staticmethod(timed_backward)
             per_call_us(fwd_bwd)
             res["onepass_body_us"] = statistics.median(body) * 1e6
@@ -156,7 +151,6 @@ def main() -> None:
         return layer_norm_bwd_kernel[(programs,)](*call, **consts, num_warps=warps)
     compiled = jit()
     res["launch_jit_us"] = per_call_us(jit)
-    res["launch_jit_thread_us"] = in_thread_us(jit)
     try:
         runner = compiled[(programs, 1, 1)]
         full = call + tuple(consts.values())
@@ -166,9 +160,9 @@ def main() -> None:
             full = call
             runner(*full)
         res["launch_runner_us"] = per_call_us(lambda: runner(*full))
-        res["launch_runner_thread_us"] = in_thread_us(lambda: runner(*full))
     except Exception as exc:  # noqa: BLE001 -- a probe: record what this Triton did
         res["launch_runner_error"] = repr(exc)
+    res["launch_direct_us"] = per_call_us(lambda: norm_kernel.launch(programs, call, tuple(consts.values()), warps))
     res["empty_us"] = per_call_us(lambda: torch.empty(64, 768, device=dev))
     print(json.dumps(res, indent=1))
     with open(args.out, "w") as f:

@@ -61,8 +61,24 @@ def unmemoised():
         walk.memoised, walk.fresh_submodules = saved
 
 
+@contextlib.contextmanager
+def norm_kernel_through_jit():
+    """The one-pass LayerNorm kernel launched through Triton's JIT at every call (session 22's
+    direct launch off)."""
+    from bigbatch.gradcache import norm_kernel
+
+    saved = norm_kernel.DIRECT
+    norm_kernel.DIRECT = False
+    try:
+        with switch_set(norms, True):
+            yield
+    finally:
+        norm_kernel.DIRECT = saved
+
+
 ARMS = {"memo": contextlib.nullcontext, "every_time": unmemoised,
         "pytorch_norms": lambda: switch_set(norms, False), "norm_kernel": lambda: switch_set(norms, True),
+        "norm_kernel_jit": norm_kernel_through_jit,
         "cast_scope": lambda: switch_set(cast_scope, True), "scope_off": lambda: switch_set(cast_scope, False)}
 
 

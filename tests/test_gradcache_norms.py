@@ -128,6 +128,47 @@ def test_kernel_zero_rows_and_wide_rows():
         assert_rel(w.grad, rw, 2e-5, "dw")
 
 
+def test_specialisation_key_separates_what_triton_specialises_on():
+    """Calls that may share one compiled kernel have equal keys; a call differing in anything
+    Triton specialises on (a tensor's dtype, device or 16-byte alignment; an int's being 1, its
+    divisibility by 16 or its width) gets its own (so the direct launch never runs a kernel
+    compiled for another specialisation)."""
+    key = norm_kernel.specialisation
+    buf = torch.zeros(64)
+    base = (buf, 32, 5, 0.5)
+    assert key(base) == key((torch.zeros(64), 48, 7, 0.25))
+    for other in ((buf[1:], 32, 5, 0.5), (buf.double(), 32, 5, 0.5), (buf, 33, 5, 0.5), (buf, 32, 1, 0.5),
+                  (buf, 32, 2**31, 0.5), (buf, 32, 5, 1), (buf, 32, True, 0.5)):
+        assert key(other) != key(base), other
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_kernel_across_specialisations(direct, monkeypatch):
+    """One sequence of calls that differ in alignment (views one element in), row count (1, a
+    multiple of 16, neither), width and dtype, so that each compiled kernel is offered calls of
+    other specialisations: every result within rounding of float64's, launched directly or
+    through Triton's JIT each time."""
+    monkeypatch.setattr(norm_kernel, "DIRECT", direct)
+    g = torch.Generator().manual_seed(5)
+    for m, n, dtype, offset in ((32, 48, torch.float32, 0), (32, 48, torch.float32, 1), (17, 48, torch.float32, 0),
+                                (1, 48, torch.float32, 1), (32, 45, torch.float32, 0), (33, 45, torch.float32, 3),
+                                (32, 48, torch.float16, 0), (32, 48, torch.float16, 1)):
+        flat = torch.randn(m * n + offset, generator=g, dtype=F64)
+        x = flat[offset:].view(m, n).to(TRITON_DEVICE, dtype)
+        if offset:  # a view whose address is not 16-byte aligned
+            x = torch.empty(m * n + offset, device=TRITON_DEVICE, dtype=dtype)[offset:].view(m, n).copy_(x)
+        w = (torch.randn(n, generator=g, dtype=F64) + 1).to(TRITON_DEVICE)
+        dy = torch.randn(m, n, generator=g, dtype=F64).to(TRITON_DEVICE, dtype)
+        dx, dw, db = norm_kernel.layer_norm_backward(x, dy, w, 1e-5, True, True, True)
+        xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+        br = torch.zeros(n, dtype=F64, device=TRITON_DEVICE, requires_grad=True)
+        torch.nn.functional.layer_norm(xr, (n,), wr, br, 1e-5).backward(dy.double())
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        assert_close(dx, xr.grad, tol, 1e-5 * (dy.double().norm().item() + 1), f"dx {m}x{n} {dtype} +{offset}")
+        assert_rel(dw, wr.grad, 1e-5, f"dw {m}x{n} {dtype} +{offset}")
+        assert_rel(db, br.grad, 1e-5, f"db {m}x{n} {dtype} +{offset}")
+
+
 def test_double_backward_is_pytorchs():
     """A create_graph backward through the Function (a forward that differentiates through the
     norm: forces from an energy) gives PyTorch's second derivatives, not constants."""

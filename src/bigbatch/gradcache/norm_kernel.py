@@ -15,7 +15,7 @@ forward, in fp32 whatever the input dtype; they differ from the forward's in the
 from __future__ import annotations
 
 import functools
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -94,6 +94,46 @@ def _sms(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device >= 0 else 1
 
 
+# Compiled kernels by specialisation (below); launched through their own runner, not through
+# ``kernel[grid](...)``, whose argument binding and cache lookup cost tens of microseconds of host
+# time per call -- and a BERT-base chunk's backward calls this 25 times. (Set to False to launch
+# through Triton's JIT every time: experiments/gradcache_norm_host_probe.py compares the two.)
+DIRECT = True
+_COMPILED: Dict[tuple, Any] = {}
+
+
+def specialisation(args: Sequence[Any]) -> tuple:
+    """What Triton specialises a compiled kernel on, for each argument, or finer: a tensor's dtype
+    and device and whether its address is 16-byte aligned; an int's being 1, its divisibility by 16
+    and its width; a float's type only. Two calls with equal keys can share one compiled kernel."""
+    key = []
+    for a in args:
+        if isinstance(a, Tensor):
+            key.append((a.dtype, a.get_device(), a.data_ptr() % 16 == 0))
+        elif isinstance(a, bool) or not isinstance(a, int):
+            key.append(type(a))
+        else:
+            key.append((a == 1, a % 16 == 0, -2**31 <= a < 2**31))
+    return tuple(key)
+
+
+def launch(programs: int, args: tuple, consts: tuple, warps: int) -> None:
+    """``layer_norm_bwd_kernel`` on ``programs`` programs: ``args`` its run-time arguments, ``consts``
+    its constexprs in order. The first call of a specialisation goes through Triton's JIT (which
+    compiles); later ones through the compiled kernel's runner, which takes every parameter in
+    order. (Under Triton's interpreter there is no compiled kernel: every call is the JIT's.)"""
+    key = (specialisation(args), consts, warps) if DIRECT else None
+    compiled = _COMPILED.get(key) if DIRECT else None
+    if compiled is not None:
+        compiled[(programs, 1, 1)](*args, *consts)
+        return
+    names = ("HAS_W", "NEED_DX", "NEED_DW", "NEED_DB", "BLOCK_M", "BLOCK_N")
+    compiled = layer_norm_bwd_kernel[(programs,)](*args, **dict(zip(names, consts)), num_warps=warps)
+    compiled = compiled.result() if hasattr(compiled, "result") else compiled  # (a Triton compiling asynchronously)
+    if DIRECT and hasattr(compiled, "run") and hasattr(compiled, "function"):
+        _COMPILED[key] = compiled
+
+
 def layer_norm_backward(
     x: Tensor, dy: Tensor, weight: Optional[Tensor], eps: float, need_dx: bool, need_dw: bool, need_db: bool,
 ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
@@ -113,12 +153,9 @@ def layer_norm_backward(
         return dx, (zeros if need_dw else None), (zeros.clone() if need_db else None)
     block_n, block_m, warps, programs, rows_per_prog = _launch_plan(m, n, x.element_size(), _sms(x.get_device()))
     part = torch.empty((2, programs, n), device=x.device, dtype=torch.float32) if need_dw or need_db else x
-    layer_norm_bwd_kernel[(programs,)](
-        x, dy, x if weight is None else weight, x if dx is None else dx, part, part[1] if need_dw or need_db else x,
-        m, n, 1.0 / n, rows_per_prog, eps, x.stride(0), dy.stride(0),
-        HAS_W=weight is not None, NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-    )
+    launch(programs, (x, dy, x if weight is None else weight, x if dx is None else dx, part,
+                      part[1] if need_dw or need_db else x, m, n, 1.0 / n, rows_per_prog, eps, x.stride(0), dy.stride(0)),
+           (weight is not None, need_dx, need_dw, need_db, block_m, block_n), warps)
     if not (need_dw or need_db):
         return dx, None, None
     dw, db = part.sum(1).unbind(0)

@@ -63,7 +63,7 @@ class LayerNormFunction(torch.autograd.Function):
             x if x.dim() == 2 and x.shape[1] == n else x.reshape(-1, n),  # (a copy only for a non-viewable layout)
             dy if dy.dim() == 2 and dy.shape[1] == n else dy.reshape(-1, n),
             weight if weight is None or weight.dim() == 1 else weight.reshape(n), ctx.eps, need_dx, need_dw, need_db)
-        if dx is not None and dx.dim() != x.dim():
+        if dx is not None and dx.shape != x.shape:
             dx = dx.view(x.shape)
         return dx, None, _param_grad(dw, weight, shape), _param_grad(db, bias, shape), None
 
