@@ -118,8 +118,11 @@ def main() -> None:
                          "issue_median_ms": statistics.median(got[name]["issue_ms"]), **got[name],
                          "busy_ms": prof["busy_ms"], "idle_in_span_ms": prof["idle_in_span_ms"], "kernels": prof["kernels"]}
         # each arm's gradients from zero under one seed, against the first arm's; and its peak. The
-        # .grad tensors are zeroed, not dropped: the plan (and so every chunk's dropout masks) stays
-        # the timed steps' in every arm, so the arms' gradients are comparable
+        # .grad tensors are zeroed, not dropped, and the first arm's gradients wait on the CPU: the
+        # memory allocated at each check's start, so its plan (and so every chunk's dropout masks),
+        # stays the timed steps', and the arms' gradients are comparable. (Until session 22 the
+        # first arm's 0.9 GB stayed on the GPU: later arms planned smaller chunks, peaked higher and
+        # drew other masks, hence "gradient differences" of 0.6-1.0 in the JSON files of sessions 21-22.)
         first = None
         for name, ctx in arms.items():
             with ctx():
@@ -130,7 +133,7 @@ def main() -> None:
                 bb(qi, pi)
             row[name]["check_plan"] = [list(r) for r in bb.last_chunk_rows]
             row[name]["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            flat = torch.cat([q.grad.flatten() for m in (mq, mp) for q in m.parameters() if q.grad is not None])
+            flat = torch.cat([q.grad.flatten() for m in (mq, mp) for q in m.parameters() if q.grad is not None]).cpu()
             first = flat if first is None else first
             row[name]["grad_vs_first_arm"] = ((flat - first).abs().max() / first.abs().max()).item()
             row[name]["grads_bitwise_first_arm"] = bool(torch.equal(flat, first))
