@@ -145,11 +145,11 @@ class OnePassLayerNorm(nn.LayerNorm):
 
 
 # Off by default (opt in: ``bigbatch.gradcache.norms.ENABLED = True``). The kernel saves GPU time
-# (~25 ms of a 2,048-row BERT step's 750 on an H200), but its Python autograd Function and Triton
-# launch cost host time per LayerNorm call, and on the benchmark's host the cached step is
-# host-bound: in session 19's interleaved A/Bs the step was 10-60 ms *slower* with it at B = 512
-# and 2,048 (~equal at 1,024); session 18's, on another machine, 13-19 ms faster.
-# experiments/gradcache_switch_ab.py, benchmarks/results/probes/gradcache_norms_ab_s19_*.json.
+# (~20-25 ms of a 2,048-row BERT step's ~775 on an H200), but its Python autograd Function and
+# Triton launch cost host time per LayerNorm call, and on the benchmark's host the cached step is
+# host-bound at B <= 1,024: in session 22's interleaved A/Bs (after cutting that host time) the step
+# was 2-7 ms slower with it at B = 512 and 1,024 and 0-22 ms faster at 2,048.
+# experiments/gradcache_switch_ab.py, benchmarks/results/probes/norms_ab_s22_*.json.
 ENABLED = False
 
 
