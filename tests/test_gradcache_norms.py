@@ -137,9 +137,28 @@ def test_specialisation_key_separates_what_triton_specialises_on():
     buf = torch.zeros(64)
     base = (buf, 32, 5, 0.5)
     assert key(base) == key((torch.zeros(64), 48, 7, 0.25))
+    assert key((buf, 2**31 + 16, 5, 0.5)) != key((buf, 2**63 + 16, 5, 0.5))
     for other in ((buf[1:], 32, 5, 0.5), (buf.double(), 32, 5, 0.5), (buf, 33, 5, 0.5), (buf, 32, 1, 0.5),
-                  (buf, 32, 2**31, 0.5), (buf, 32, 5, 1), (buf, 32, True, 0.5)):
+                  (buf, 32, 2**31, 0.5), (buf, 32, 2**63 + 3, 0.5), (buf, 32, 5, 1), (buf, 32, True, 0.5)):
         assert key(other) != key(base), other
+
+
+def test_specialisation_key_is_at_least_as_fine_as_tritons():
+    """Against Triton's own specialisation (its C++ ``native_specialize_impl`` with the backend
+    class the NVIDIA backend inherits): any two arguments Triton tells apart, the key tells apart."""
+    libtriton = pytest.importorskip("triton._C.libtriton")
+    from triton.backends.compiler import BaseBackend
+
+    native = getattr(libtriton, "native_specialize_impl", None)
+    if native is None:
+        pytest.skip("this Triton specialises in Python (before 3.4); the key test above covers its rules")
+    buf = torch.zeros(80)
+    pool = [buf, buf[1:], buf[4:], buf.half(), buf.half()[1:], buf.half()[8:], buf.double(),
+            0, 1, 2, 15, 16, 17, 32, -16, -17, 2**31 - 16, 2**31, 2**31 + 16, 2**63 - 16, 2**63 + 16, 0.5, 1.0, True, False]
+    for a in pool:
+        for b in pool:
+            if native(BaseBackend, a, False, True, True) != native(BaseBackend, b, False, True, True):
+                assert norm_kernel.specialisation((a,)) != norm_kernel.specialisation((b,)), (a, b)
 
 
 @pytest.mark.parametrize("direct", [True, False])

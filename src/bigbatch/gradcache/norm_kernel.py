@@ -98,14 +98,17 @@ def _sms(device: int) -> int:
 # ``kernel[grid](...)``, whose argument binding and cache lookup cost tens of microseconds of host
 # time per call -- and a BERT-base chunk's backward calls this 25 times. (Set to False to launch
 # through Triton's JIT every time: experiments/gradcache_norm_host_probe.py compares the two.)
-DIRECT = True
+# NVIDIA only: Triton's AMD backend also specialises a tensor on lying within 2 GB (buffer ops).
+DIRECT = torch.version.hip is None
 _COMPILED: Dict[tuple, Any] = {}
 
 
 def specialisation(args: Sequence[Any]) -> tuple:
     """What Triton specialises a compiled kernel on, for each argument, or finer: a tensor's dtype
     and device and whether its address is 16-byte aligned; an int's being 1, its divisibility by 16
-    and its width; a float's type only. Two calls with equal keys can share one compiled kernel."""
+    and its width (i32 / i64 / u64); a float's type only. Two calls with equal keys can share one
+    compiled kernel. (Triton's rules -- ``native_specialize_impl`` with the NVIDIA backend's
+    ``get_tensor_specialization`` / ``get_int_specialization``, Triton 3.6-3.9 -- are these.)"""
     key = []
     for a in args:
         if isinstance(a, Tensor):
@@ -113,7 +116,7 @@ def specialisation(args: Sequence[Any]) -> tuple:
         elif isinstance(a, bool) or not isinstance(a, int):
             key.append(type(a))
         else:
-            key.append((a == 1, a % 16 == 0, -2**31 <= a < 2**31))
+            key.append((a == 1, a % 16 == 0, -2**31 <= a < 2**31, a < 2**63))
     return tuple(key)
 
 
@@ -122,7 +125,8 @@ def launch(programs: int, args: tuple, consts: tuple, warps: int) -> None:
     its constexprs in order. The first call of a specialisation goes through Triton's JIT (which
     compiles); later ones through the compiled kernel's runner, which takes every parameter in
     order. (Under Triton's interpreter there is no compiled kernel: every call is the JIT's.)"""
-    key = (specialisation(args), consts, warps) if DIRECT else None
+    # (the current device too: a compiled kernel is loaded onto the device current at its first launch)
+    key = (specialisation(args), consts, warps, torch.cuda.current_device() if args[0].is_cuda else -1) if DIRECT else None
     compiled = _COMPILED.get(key) if DIRECT else None
     if compiled is not None:
         compiled[(programs, 1, 1)](*args, *consts)
