@@ -124,7 +124,9 @@ def launch(programs: int, args: tuple, consts: tuple, warps: int) -> None:
     """``layer_norm_bwd_kernel`` on ``programs`` programs: ``args`` its run-time arguments, ``consts``
     its constexprs in order. The first call of a specialisation goes through Triton's JIT (which
     compiles); later ones through the compiled kernel's runner, which takes every parameter in
-    order. (Under Triton's interpreter there is no compiled kernel: every call is the JIT's.)"""
+    order. (Under Triton's interpreter there is no compiled kernel: every call is the JIT's.) What
+    Triton's JIT reads at every call -- its debug / instrumentation knobs, pre-run hooks -- is read
+    here at each specialisation's first call only: set such knobs before the first backward."""
     # (the current device too: a compiled kernel is loaded onto the device current at its first launch)
     key = (specialisation(args), consts, warps, torch.cuda.current_device() if args[0].is_cuda else -1) if DIRECT else None
     compiled = _COMPILED.get(key) if DIRECT else None
