@@ -7,6 +7,8 @@ latter's backward taken apart (session 22):
 * ``fn_native``: the same Function with PyTorch's own backward kernel (``native_layer_norm_backward``):
   a Python node plus PyTorch's launches;
 * ``onepass_body``: the wall time spent inside ``LayerNormFunction.backward`` itself, per call;
+* ``*_dy``: the same forward + backward given a contiguous incoming gradient (as in a model)
+  instead of the ``.sum()``'s expanded one;
 * ``launch_jit`` / ``launch_runner`` / ``launch_direct``: the Triton kernel alone launched through
   ``kernel[grid](...)`` (Triton's argument binding and specialisation per call), through the
   compiled kernel's own runner (``CompiledKernel[grid]``: the driver's launcher only), and through
@@ -101,9 +103,17 @@ def main() -> None:
     def fwd_bwd():
         fwd().float().sum().backward()
 
+    # a contiguous incoming gradient, as in a model (the .sum()'s is an expanded one: the kernel's
+    # path copies it, PyTorch's backward reads it as it is)
+    grad_out = torch.randn(64, 768, device=dev)
+
+    def fwd_bwd_dy():
+        fwd().backward(grad_out)
+
     res = {"hardware": hardware(), "shape": [64, 768]}
     res["pytorch_fwd_us"] = per_call_us(fwd)
     res["pytorch_fwd_bwd_us"] = per_call_us(fwd_bwd)
+    res["pytorch_fwd_bwd_dy_us"] = per_call_us(fwd_bwd_dy)
     EmptyBackward.grads = (torch.zeros_like(x), torch.zeros_like(ln.weight), torch.zeros_like(ln.bias))
     for name, fn in (("fn_empty", EmptyBackward), ("fn_native", NativeBackward)):
         def f(fn=fn):
@@ -111,6 +121,7 @@ def main() -> None:
                 return fn.apply(x, ln.weight, ln.bias)
         res[f"{name}_fwd_us"] = per_call_us(f)
         res[f"{name}_fwd_bwd_us"] = per_call_us(lambda f=f: f().float().sum().backward())
+        res[f"{name}_fwd_bwd_dy_us"] = per_call_us(lambda f=f: f().backward(grad_out))
     saved = norms.ENABLED
     norms.ENABLED = True
     body = []
@@ -126,6 +137,7 @@ def main() -> None:
             assert type(ln) is norms.OnePassLayerNorm
             res["onepass_fwd_us"] = per_call_us(fwd)
             res["onepass_fwd_bwd_us"] = per_call_us(fwd_bwd)
+            res["onepass_fwd_bwd_dy_us"] = per_call_us(fwd_bwd_dy)
             res["kernel_applies_us"] = per_call_us(lambda: norms.kernel_applies(ln, x))
             norm_kernel.DIRECT = False
             res["onepass_jit_fwd_bwd_us"] = per_call_us(fwd_bwd)
@@ -133,6 +145,9 @@ def main() -> None:
             norms.LayerNormFunction.backward = staticmethod(timed_backward)
             per_call_us(fwd_bwd)
             res["onepass_body_us"] = statistics.median(body) * 1e6
+            body.clear()
+            per_call_us(fwd_bwd_dy)
+            res["onepass_body_dy_us"] = statistics.median(body) * 1e6
     finally:
         norms.LayerNormFunction.backward = staticmethod(original)
         norms.ENABLED = saved
