@@ -19,7 +19,7 @@ latter's backward taken apart (session 22):
 Small rows (64 x 768, bf16 autocast), so that the GPU finishes each call long before the host
 issues the next: the wall time per call is the host's. Medians of 5 runs of 2,000 calls.
 
-    python experiments/gradcache_norm_host_probe.py --out /tmp/norm_host.json
+    python experiments/gradcache_norm_host_probe.py --out /tmp/norm_host.json [--profile]
     py-spy record --threads -r 1000 -f raw -o /tmp/spin.txt -- \
         python experiments/gradcache_norm_host_probe.py --out /tmp/norm_host.json --spin 6
 """
@@ -85,9 +85,25 @@ class NativeBackward(torch.autograd.Function):
                                                         [True, True, True])
 
 
+def profile_table(fn, calls: int = 300) -> str:
+    """torch.profiler's table (self CPU time per op and per autograd node, all threads) of ``calls``
+    calls of ``fn``, after a warm-up: where a call's host time goes, the backward's included."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--profile", action="store_true",
+                   help="also profile 300 forward + backward calls of each (torch.profiler, CPU side, every "
+                        "thread: the autograd engine's too) and keep its table of self CPU time per op")
     p.add_argument("--spin", type=float, default=0.0,
                    help="then loop OnePassLayerNorm's forward + backward this many seconds (for py-spy)")
     args = p.parse_args()
@@ -114,6 +130,8 @@ def main() -> None:
     res["pytorch_fwd_us"] = per_call_us(fwd)
     res["pytorch_fwd_bwd_us"] = per_call_us(fwd_bwd)
     res["pytorch_fwd_bwd_dy_us"] = per_call_us(fwd_bwd_dy)
+    if args.profile:
+        res["profile_pytorch"] = profile_table(fwd_bwd_dy)
     EmptyBackward.grads = (torch.zeros_like(x), torch.zeros_like(ln.weight), torch.zeros_like(ln.bias))
     for name, fn in (("fn_empty", EmptyBackward), ("fn_native", NativeBackward)):
         def f(fn=fn):
@@ -148,6 +166,8 @@ def main() -> None:
             body.clear()
             per_call_us(fwd_bwd_dy)
             res["onepass_body_dy_us"] = statistics.median(body) * 1e6
+            if args.profile:
+                res["profile_onepass"] = profile_table(fwd_bwd_dy)
     finally:
         norms.LayerNormFunction.backward = staticmethod(original)
         norms.ENABLED = saved
