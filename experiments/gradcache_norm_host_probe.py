@@ -197,7 +197,7 @@ def main() -> None:
         res["launch_runner_us"] = per_call_us(lambda: runner(*full))
     except Exception as exc:  # noqa: BLE001 -- a probe: record what this Triton did
         res["launch_runner_error"] = repr(exc)
-    res["launch_direct_us"] = per_call_us(lambda: norm_kernel.launch(programs, call, tuple(consts.values()), warps))
+    res["launch_direct_us"] = per_call_us(lambda: norm_kernel.launch(programs, call, consts, warps))
     res["empty_us"] = per_call_us(lambda: torch.empty(64, 768, device=dev))
     print(json.dumps(res, indent=1))
     with open(args.out, "w") as f:

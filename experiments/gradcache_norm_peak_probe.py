@@ -15,20 +15,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 
 import torch
 
-from bigbatch.bench.common import hardware
-from bigbatch.bench.gradcache import DualEncoder, _inputs, _rep
-from bigbatch.gradcache import norms
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gradcache_fused_ab import switch_set  # noqa: E402  (an experiment next to this one)
+
+from bigbatch.bench.common import hardware  # noqa: E402
+from bigbatch.bench.gradcache import DualEncoder, _inputs, _rep  # noqa: E402
+from bigbatch.gradcache import norms  # noqa: E402
 
 
 def one(model, inp, use_kernel: bool) -> dict:
-    saved = norms.ENABLED
-    norms.ENABLED = use_kernel
-    try:
-        times = []
+    times = []
+    with switch_set(norms, use_kernel):
         for i in range(7):
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
@@ -45,9 +48,7 @@ def one(model, inp, use_kernel: bool) -> dict:
             peak = torch.cuda.max_memory_allocated() - base
             if i >= 2:
                 times.append(start.elapsed_time(end))
-        return {"held_mib": held / 2**20, "peak_mib": peak / 2**20, "ms": statistics.median(times)}
-    finally:
-        norms.ENABLED = saved
+    return {"held_mib": held / 2**20, "peak_mib": peak / 2**20, "ms": statistics.median(times)}
 
 
 def main() -> None:

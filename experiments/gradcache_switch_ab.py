@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 from typing import Dict, List
+from unittest import mock
 
 import torch
 
@@ -67,13 +68,8 @@ def norm_kernel_through_jit():
     direct launch off)."""
     from bigbatch.gradcache import norm_kernel
 
-    saved = norm_kernel.DIRECT
-    norm_kernel.DIRECT = False
-    try:
-        with switch_set(norms, True):
-            yield
-    finally:
-        norm_kernel.DIRECT = saved
+    with switch_set(norms, True), mock.patch.object(norm_kernel, "DIRECT", False):
+        yield
 
 
 ARMS = {"memo": contextlib.nullcontext, "every_time": unmemoised,

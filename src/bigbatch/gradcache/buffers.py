@@ -94,7 +94,7 @@ def _state_slots(modules: Iterable[nn.Module]) -> List[Slot]:
     ``WATCH_PARAM_BYTES`` (see the module docstring; a parameter shared by several modules counts
     once, and has a slot in each, so a re-assignment through any of them is seen)."""
     frozen = [slot for slot in _slots(modules, "_parameters") if not _trained(_get(slot))]
-    distinct = {id(_get(slot)): _get(slot) for slot in frozen}
+    distinct = {id(p): p for p in map(_get, frozen)}
     if sum(map(_nbytes, distinct.values())) > WATCH_PARAM_BYTES:
         frozen = []
     return _buffer_slots(modules) + frozen

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from .head import attach_head
 from .budget import ChunkProber, MemoryArg, in_use_at_start, offloads, parse_memory, plan_chunk, planning_budget, probe_cost
 from .chunking import batch_size, check_offload_target, chunk_rows, differentiable, model_device, pin, split_chunks
-from .engine import EngineOptions, Unit, _distinct, autocast_state, backprop, encode, finalize_plan
+from .engine import EngineOptions, Unit, distinct_models, autocast_state, backprop, encode, finalize_plan
 from .inputs import backward_into_originals, inputs_require_grad, with_boundaries
 from . import cast_scope, walk
 from .cast_scope import CastScope
@@ -321,7 +321,7 @@ class GradCache:
     def cache_step(self, *inputs: Any, no_sync_except_last: Optional[bool] = None, **loss_kwargs: Any) -> Tensor:
         """Run one cached step; see the class docstring."""
         # the walks of the models' structure, carried from the last step while it holds (walk.py)
-        with walk.one_walk(self._walks, _distinct(self.models)):
+        with walk.one_walk(self._walks, distinct_models(self.models)):
             return self._step(inputs, no_sync_except_last, loss_kwargs)
 
     def _step(self, inputs: Tuple[Any, ...], no_sync_except_last: Optional[bool], loss_kwargs: Dict[str, Any]) -> Tensor:

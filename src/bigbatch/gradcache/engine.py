@@ -142,7 +142,8 @@ def compact(rep: Tensor) -> Tensor:
     return rep
 
 
-def _distinct(models: Sequence[nn.Module]) -> List[nn.Module]:
+def distinct_models(models: Sequence[nn.Module]) -> List[nn.Module]:
+    """``models`` with each model once (by identity), in order of first appearance."""
     out: Dict[int, nn.Module] = {}
     for m in models:
         out.setdefault(id(m), m)
@@ -297,7 +298,7 @@ def encode(units: Sequence[Unit], opts: EngineOptions, n_inputs: int, scope: Opt
     """Pass 1. Returns one detached (B_i, ...) representation tensor per input, on the model's device.
     ``scope``: the autocast contexts are the scope's, and the last one is left open."""
     per_input: List[List[Tensor]] = [[] for _ in range(n_inputs)]
-    models = _distinct([u.model for u in units])
+    models = distinct_models([u.model for u in units])
     states = BufferStates(models)
     versions = {id(m): param_versions(m) for m in models}
     for i in range(n_inputs):
@@ -437,7 +438,7 @@ def backprop(units: Sequence[Unit], grads: Sequence[Optional[Tensor]], opts: Eng
         sent, graphs = backprop_kept(units, slices, opts, scope, accs)
         # Buffers: each re-run starts from what its pass-1 forward saw (BufferStates); afterwards all
         # are put back as pass 1 left them (BatchNorm statistics are not updated a second time).
-        with buffers_restored(_distinct([u.model for u in units])):
+        with buffers_restored(distinct_models([u.model for u in units])):
             for rerun in rerun_groups(units, slices, scope.model if scope is not None else None):
                 graphs += _rerun_model(units, rerun, slices, opts, scope, accs)
                 sent += len(rerun)

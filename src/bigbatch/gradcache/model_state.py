@@ -35,14 +35,12 @@ def versioned_parameters(model: nn.Module) -> Tuple[Tensor, ...]:
     materialised yet). Memoised with the structure (``walk.py``) unless a lazy one is among them:
     materialising changes its class, not its identity."""
     memo = walk.memoised("versioned parameters", model, _versioned_unless_lazy)
-    return memo if memo is not None else tuple(p for p in walk.parameters(model) if _versioned(p))
+    return memo if memo is not None else tuple(filter(_versioned, walk.parameters(model)))
 
 
 def _versioned_unless_lazy(model: nn.Module) -> Optional[Tuple[Tensor, ...]]:
     params = walk.parameters(model)
-    if any(map(is_lazy, params)):
-        return None
-    return tuple(itertools.filterfalse(Tensor.is_inference, params))
+    return None if any(map(is_lazy, params)) else tuple(filter(_versioned, params))
 
 
 def param_versions(model: nn.Module) -> Dict[int, int]:

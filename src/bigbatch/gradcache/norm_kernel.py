@@ -120,21 +120,21 @@ def specialisation(args: Sequence[Any]) -> tuple:
     return tuple(key)
 
 
-def launch(programs: int, args: tuple, consts: tuple, warps: int) -> None:
+def launch(programs: int, args: tuple, consts: Dict[str, Any], warps: int) -> None:
     """``layer_norm_bwd_kernel`` on ``programs`` programs: ``args`` its run-time arguments, ``consts``
-    its constexprs in order. The first call of a specialisation goes through Triton's JIT (which
+    its constexprs by name, in the kernel's order. The first call of a specialisation goes through Triton's JIT (which
     compiles); later ones through the compiled kernel's runner, which takes every parameter in
     order. (Under Triton's interpreter there is no compiled kernel: every call is the JIT's.) What
     Triton's JIT reads at every call -- its debug / instrumentation knobs, pre-run hooks -- is read
     here at each specialisation's first call only: set such knobs before the first backward."""
     # (the current device too: a compiled kernel is loaded onto the device current at its first launch)
-    key = (specialisation(args), consts, warps, torch.cuda.current_device() if args[0].is_cuda else -1) if DIRECT else None
-    compiled = _COMPILED.get(key) if DIRECT else None
+    values = tuple(consts.values())
+    key = (specialisation(args), values, warps, torch.cuda.current_device() if args[0].is_cuda else -1) if DIRECT else None
+    compiled = _COMPILED.get(key)  # (None when not DIRECT: nothing is stored under None)
     if compiled is not None:
-        compiled[(programs, 1, 1)](*args, *consts)
+        compiled[(programs, 1, 1)](*args, *values)
         return
-    names = ("HAS_W", "NEED_DX", "NEED_DW", "NEED_DB", "BLOCK_M", "BLOCK_N")
-    compiled = layer_norm_bwd_kernel[(programs,)](*args, **dict(zip(names, consts)), num_warps=warps)
+    compiled = layer_norm_bwd_kernel[(programs,)](*args, **consts, num_warps=warps)
     compiled = compiled.result() if hasattr(compiled, "result") else compiled  # (a Triton compiling asynchronously)
     if DIRECT and hasattr(compiled, "run") and hasattr(compiled, "function"):
         _COMPILED[key] = compiled
@@ -161,7 +161,8 @@ def layer_norm_backward(
     part = torch.empty((2, programs, n), device=x.device, dtype=torch.float32) if need_dw or need_db else x
     launch(programs, (x, dy, x if weight is None else weight, x if dx is None else dx, part,
                       part[1] if need_dw or need_db else x, m, n, 1.0 / n, rows_per_prog, eps, x.stride(0), dy.stride(0)),
-           (weight is not None, need_dx, need_dw, need_db, block_m, block_n), warps)
+           dict(HAS_W=weight is not None, NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db, BLOCK_M=block_m,
+                BLOCK_N=block_n), warps)
     if not (need_dw or need_db):
         return dx, None, None
     dw, db = part.sum(1).unbind(0)

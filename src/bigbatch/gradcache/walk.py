@@ -132,30 +132,23 @@ def fresh_submodules(models: Iterable[nn.Module]) -> List[nn.Module]:
     return out
 
 
-_SELF_WALKING: Dict[type, bool] = {}
+@functools.lru_cache(maxsize=None)
+def _overrides(cls: type, names: Tuple[str, ...]) -> bool:
+    """Whether ``cls`` overrides any of ``nn.Module``'s methods ``names`` (cached per class: a class
+    is not expected to change its methods after its first instance was walked; FSDP's
+    ``fully_shard`` makes a new class)."""
+    return any(getattr(cls, n, None) is not getattr(nn.Module, n) for n in names)
 
 
 def _walks_itself(cls: type) -> bool:
-    """Whether ``cls`` overrides ``named_modules`` or ``modules`` (cached per class: a class is not
-    expected to change its walk after its first instance was walked; FSDP's ``fully_shard`` makes a
-    new class)."""
-    known = _SELF_WALKING.get(cls)
-    if known is None:
-        known = _SELF_WALKING[cls] = cls.named_modules is not nn.Module.named_modules or cls.modules is not nn.Module.modules
-    return known
-
-
-_MEMBER_WALKS = ("parameters", "named_parameters", "buffers", "named_buffers", "_named_members")
-_OWN_MEMBERS: Dict[type, bool] = {}
+    """Whether ``cls`` overrides ``named_modules`` or ``modules``."""
+    return _overrides(cls, ("named_modules", "modules"))
 
 
 def _lists_own_members(cls: type) -> bool:
     """Whether ``cls`` overrides how its parameters or buffers are listed (what it lists may depend
     on more than the objects it holds: such a model's walks are not carried across steps)."""
-    known = _OWN_MEMBERS.get(cls)
-    if known is None:
-        known = _OWN_MEMBERS[cls] = any(getattr(cls, n, None) is not getattr(nn.Module, n) for n in _MEMBER_WALKS)
-    return known
+    return _overrides(cls, ("parameters", "named_parameters", "buffers", "named_buffers", "_named_members"))
 
 
 _MODULES = operator.itemgetter("_modules")  # read from a module's instance __dict__ (no MRO lookup)
