@@ -14,7 +14,12 @@ latter's backward taken apart (session 22):
   compiled kernel's own runner (``CompiledKernel[grid]``: the driver's launcher only), and through
   ``norm_kernel.launch`` (the runner behind the library's specialisation key);
 * ``onepass_jit_fwd_bwd``: ``OnePassLayerNorm`` with ``norm_kernel.DIRECT`` off (every launch
-  through the JIT).
+  through the JIT);
+* ``timeline`` (``--timeline``, session 23): per call, the host time between marks taken before the
+  forward, at the Function's forward entry / exit, after the forward returns, before ``backward()``,
+  at the Function's backward entry / exit and after ``backward()`` returns (medians of 2,000 calls),
+  for PyTorch's norm, ``fn_empty``, ``fn_native`` and ``OnePassLayerNorm``: where the kernel path's
+  extra host time sits, inside the Function or around it (the autograd engine's hand-offs).
 
 Small rows (64 x 768, bf16 autocast), so that the GPU finishes each call long before the host
 issues the next: the wall time per call is the host's. Medians of 5 runs of 2,000 calls.
@@ -30,6 +35,7 @@ import argparse
 import json
 import statistics
 import time
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +91,50 @@ class NativeBackward(torch.autograd.Function):
                                                         [True, True, True])
 
 
+_MARKS: dict = {}
+
+
+def mark(name: str) -> None:
+    _MARKS.setdefault(name, []).append(time.perf_counter_ns())
+
+
+def marked(fn, entry: str, exit: str):
+    """``fn`` (a Function's forward or backward) with marks at its entry and exit."""
+    def wrapped(ctx, *args):
+        mark(entry)
+        out = fn(ctx, *args)
+        mark(exit)
+        return out
+    return staticmethod(wrapped)
+
+
+TIMELINE = ("start", "fwd_in", "fwd_out", "fwd_done", "bwd_call", "bwd_in", "bwd_out", "bwd_done")
+
+
+def timeline(fwd, grad_out, calls: int = 2000) -> dict:
+    """Median host microseconds between consecutive marks of ``TIMELINE`` that were taken (a
+    Function's inner marks only where the Function was wrapped with :func:`marked`)."""
+    for _ in range(200):
+        fwd().backward(grad_out)
+    torch.cuda.synchronize()
+    _MARKS.clear()
+    for _ in range(calls):
+        mark("start")
+        y = fwd()
+        mark("fwd_done")
+        mark("bwd_call")
+        y.backward(grad_out)
+        mark("bwd_done")
+    torch.cuda.synchronize()
+    taken = [m for m in TIMELINE if len(_MARKS.get(m, ())) == calls]
+    out = {}
+    for a, b in zip(taken, taken[1:]):
+        out[f"{a}->{b}"] = statistics.median((y - x) / 1e3 for x, y in zip(_MARKS[a], _MARKS[b]))
+    out["total"] = statistics.median((y - x) / 1e3 for x, y in zip(_MARKS["start"], _MARKS["bwd_done"]))
+    _MARKS.clear()
+    return out
+
+
 def profile_table(fn, calls: int = 300) -> str:
     """torch.profiler's table (self CPU time per op and per autograd node, all threads) of ``calls``
     calls of ``fn``, after a warm-up: where a call's host time goes, the backward's included."""
@@ -104,6 +154,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true",
                    help="also profile 300 forward + backward calls of each (torch.profiler, CPU side, every "
                         "thread: the autograd engine's too) and keep its table of self CPU time per op")
+    p.add_argument("--timeline", action="store_true", help="also time the pieces of each call (see above)")
     p.add_argument("--spin", type=float, default=0.0,
                    help="then loop OnePassLayerNorm's forward + backward this many seconds (for py-spy)")
     args = p.parse_args()
@@ -132,6 +183,8 @@ def main() -> None:
     res["pytorch_fwd_bwd_dy_us"] = per_call_us(fwd_bwd_dy)
     if args.profile:
         res["profile_pytorch"] = profile_table(fwd_bwd_dy)
+    if args.timeline:
+        res["timeline_pytorch"] = timeline(fwd, grad_out)
     EmptyBackward.grads = (torch.zeros_like(x), torch.zeros_like(ln.weight), torch.zeros_like(ln.bias))
     for name, fn in (("fn_empty", EmptyBackward), ("fn_native", NativeBackward)):
         def f(fn=fn):
@@ -140,6 +193,10 @@ def main() -> None:
         res[f"{name}_fwd_us"] = per_call_us(f)
         res[f"{name}_fwd_bwd_us"] = per_call_us(lambda f=f: f().float().sum().backward())
         res[f"{name}_fwd_bwd_dy_us"] = per_call_us(lambda f=f: f().backward(grad_out))
+        if args.timeline:
+            with mock.patch.object(fn, "forward", marked(fn.forward, "fwd_in", "fwd_out")), \
+                    mock.patch.object(fn, "backward", marked(fn.backward, "bwd_in", "bwd_out")):
+                res[f"timeline_{name}"] = timeline(f, grad_out)
     saved = norms.ENABLED
     norms.ENABLED = True
     body = []
@@ -168,6 +225,11 @@ def main() -> None:
             res["onepass_body_dy_us"] = statistics.median(body) * 1e6
             if args.profile:
                 res["profile_onepass"] = profile_table(fwd_bwd_dy)
+            if args.timeline:
+                fn = norms.LayerNormFunction
+                with mock.patch.object(fn, "forward", marked(fn.forward, "fwd_in", "fwd_out")), \
+                        mock.patch.object(fn, "backward", marked(original, "bwd_in", "bwd_out")):
+                    res["timeline_onepass"] = timeline(fwd, grad_out)
     finally:
         norms.LayerNormFunction.backward = staticmethod(original)
         norms.ENABLED = saved

@@ -35,7 +35,7 @@ def cpu_kernel(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(norms, "on_kernel_device", lambda t: t.device.type == TRITON_DEVICE)
-    monkeypatch.setattr(norms, "ENABLED", True)  # (opt-in)
+    monkeypatch.setattr(norms, "ENABLED", True)  # (the default, set against a test that turned it off)
     monkeypatch.setattr(norm_kernel, "layer_norm_backward", counted)
     return calls
 
@@ -223,6 +223,28 @@ def test_functorch_and_forward_ad_take_pytorchs_path(cpu_kernel):
     assert not cpu_kernel
 
 
+def test_bare_apply_is_the_functions_apply(cpu_kernel):
+    """The swapped forward calls the C-level apply (no Python prologue): the same node, output and
+    gradients as ``LayerNormFunction.apply``, and the kernel runs in its backward."""
+    assert norms._APPLY.__self__ is norms.LayerNormFunction
+    assert type(norms._APPLY).__name__ == "builtin_function_or_method"  # C, not Function.apply
+    torch.manual_seed(3)
+    x = torch.randn(5, 7, device=TRITON_DEVICE, requires_grad=True)
+    w = torch.randn(7, device=TRITON_DEVICE, requires_grad=True)
+    b = torch.randn(7, device=TRITON_DEVICE, requires_grad=True)
+    dy = torch.randn(5, 7, device=TRITON_DEVICE)
+    got = []
+    for apply in (norms._APPLY, norms.LayerNormFunction.apply):
+        out = apply(x, (7,), w, b, 1e-5)
+        assert type(out.grad_fn).__name__ == "LayerNormFunctionBackward"
+        got.append((out.detach(), *torch.autograd.grad(out, (x, w, b), dy)))
+    assert len(cpu_kernel) == 2
+    for a, c in zip(*got):
+        assert torch.equal(a, c)
+    for g, want in zip(got[0][1:], reference_grads(x, (7,), w, b, 1e-5, dy)):
+        assert_rel(g, want, TOL[torch.float32])
+
+
 class Net(nn.Module):
     """LayerNorms with dropout between them, a plain nn.Module elsewhere."""
 
@@ -308,6 +330,29 @@ def test_data_parallel_devices_are_replayed():
     dp.device_ids = [0, 1]
     assert model_cuda_devices(dp) == [0, 1]
     assert model_cuda_devices(nn.Sequential(Net())) == []
+
+
+def test_on_by_default_where_the_kernel_can_run(cpu_kernel, monkeypatch):
+    """On by default; not swapped on ROCm (untested there) nor without an importable Triton (the
+    first backward would fail): PyTorch's norm is kept, decided once per process."""
+    import subprocess
+    import sys
+
+    code = "from bigbatch.gradcache import norms; print(norms.ENABLED)"  # a fresh process's default
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "True"
+    m = Net(device=TRITON_DEVICE)
+    assert norms.model_norms(m) == [m.ln1, m.ln2]
+    monkeypatch.setattr(norms, "_AVAILABLE", [])
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert norms.model_norms(m) == [] and norms._AVAILABLE == [False]
+    monkeypatch.setattr(norms, "_AVAILABLE", [])
+    monkeypatch.setattr(torch.version, "hip", None)
+
+    def no_triton():
+        raise ImportError("No module named 'triton'")
+
+    monkeypatch.setattr(norms, "_kernel", no_triton)
+    assert norms.model_norms(m) == [] and norms._AVAILABLE == [False]
 
 
 def test_library_swaps_only_cuda_weights():
@@ -417,7 +462,7 @@ def test_cuda_autocast_swap_is_the_module_forward(dtype, monkeypatch):
     """Under CUDA autocast the swapped forward gives the module's own output bitwise (autocast's
     fp32 policy for layer_norm applies inside the Function as outside), and gradients within
     rounding of float64's."""
-    monkeypatch.setattr(norms, "ENABLED", True)  # (opt-in)
+    monkeypatch.setattr(norms, "ENABLED", True)  # (the default, set against a test that turned it off)
     ln = nn.LayerNorm(768).cuda()
     nn.init.normal_(ln.weight, 1.0, 0.2)
     nn.init.normal_(ln.bias, 0.0, 0.2)

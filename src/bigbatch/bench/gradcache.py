@@ -81,6 +81,13 @@ class DualEncoder:
         return self._clip(q.float(), k.float(), self.logit_scale.exp(), backend="torch")
 
 
+def _library_settings(device: torch.device) -> Dict[str, Any]:
+    """The library switches the bigbatch rows ran with (their defaults unless changed in-process)."""
+    from bigbatch.gradcache import norms
+
+    return {"one_pass_layer_norm": bool(norms.ENABLED and device.type == "cuda" and norms.kernel_available())}
+
+
 def _inputs(b: int, seq: int, vocab: int, device: torch.device, seed: int) -> Dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1000, vocab, (b, seq), generator=g)
@@ -184,6 +191,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "model": ("2 x BertModel(BertConfig()) random weights, train mode" if not args.tiny else "tiny BERT")
                  + (", torch.compile(dynamic=True)" if args.compile else ""),
         "loss": "bigbatch.clip_loss(backend='torch'), learned scale", "rows": [],
+        "library": _library_settings(device),
     }
     if cuda:
         _log("matmul rate")

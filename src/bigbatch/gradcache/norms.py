@@ -1,6 +1,5 @@
 """LayerNorm with a one-pass backward (``norm_kernel.py``) for the chunks gradient caching back-propagates.
-Opt-in (``ENABLED``, below): it saves GPU time but costs host time, and the benchmark's cached step
-is host-bound on its H200 host.
+On by default where it can run (``ENABLED``, :func:`kernel_available`, below: NVIDIA GPUs with Triton).
 
 At a 16 GiB budget the BERT-base benchmark's chunks are ~32k tokens, where PyTorch's LayerNorm
 weight-gradient kernel runs far below memory bandwidth (docs/gradcache.md, "Where the rest goes").
@@ -68,6 +67,19 @@ class LayerNormFunction(torch.autograd.Function):
         return dx, None, _param_grad(dw, weight, shape), _param_grad(db, bias, shape), None
 
 
+def _bare_apply(fn_cls):
+    """``fn_cls.apply`` without the Python prologue of ``torch.autograd.Function.apply``: binding
+    default arguments (for Functions with a ``setup_context``: this one has none), the functorch
+    query and unwrapping dead functorch wrappers (a pytree pass over the arguments). Called only
+    where :func:`kernel_applies` holds -- no transform running, no argument wrapped by one -- where
+    that prologue passes the arguments through unchanged: ~7 us less per LayerNorm call (a CPU
+    here), in the re-run forwards that start host-bound after each model's own host sync. Plain
+    ``apply`` on a torch without the C-level method."""
+    raw = getattr(getattr(torch._C, "_FunctionBase", None), "__dict__", {}).get("apply")
+    return raw.__get__(None, fn_cls) if hasattr(raw, "__get__") else fn_cls.apply
+
+
+_APPLY = _bare_apply(LayerNormFunction)
 _KERNEL = []
 
 
@@ -140,27 +152,46 @@ class OnePassLayerNorm(nn.LayerNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         if _WINDOWS[0] and kernel_applies(self, x):
-            return LayerNormFunction.apply(x, tuple(self.normalized_shape), self.weight, self.bias, self.eps)
+            return _APPLY(x, tuple(self.normalized_shape), self.weight, self.bias, self.eps)
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
-# Off by default (opt in: ``bigbatch.gradcache.norms.ENABLED = True``). The kernel saves GPU time
-# (~20-25 ms of a 2,048-row BERT step's ~775 on an H200), but its Python autograd Function and
-# Triton launch cost host time per LayerNorm call, and on the benchmark's host the cached step is
-# host-bound at B <= 1,024: in session 22's interleaved A/Bs (after cutting that host time) the step
-# was 2-7 ms slower with it at B = 512 and 1,024 and 0-22 ms faster at 2,048.
-# experiments/gradcache_switch_ab.py, benchmarks/results/probes/norms_ab_s22_*.json.
-ENABLED = False
+# On by default (session 23; ``bigbatch.gradcache.norms.ENABLED = False`` gives PyTorch's norm
+# everywhere). The kernel saves GPU time (~15-25 ms of a 2,048-row BERT step's ~775 on an H200);
+# its Python autograd Function costs host time per LayerNorm call, which kept it opt-in through
+# session 22 (2-7 ms slower at B = 512 and 1,024 on the benchmark's host). With the C-level apply
+# (``_bare_apply``) it was faster at every B in session 23's interleaved A/B: 204.3 -> 199.0,
+# 401.8 -> 393.0, 816.1 -> 798.2 ms at B = 512 / 1,024 / 2,048.
+# experiments/gradcache_switch_ab.py, benchmarks/results/probes/norms_ab_s22_*.json, norms_ab_s23_*.json.
+ENABLED = True
+
+_AVAILABLE: List[bool] = []
+
+
+def kernel_available() -> bool:
+    """Whether the kernel can run in this process: an NVIDIA build of torch (on ROCm it is untested:
+    PyTorch's norm is kept) and Triton importable (``norm_kernel`` imports it; without Triton the
+    norms are not swapped, rather than failing in the first backward). Decided once."""
+    if not _AVAILABLE:
+        ok = torch.version.hip is None
+        if ok:
+            try:
+                _kernel()
+            except ImportError:
+                ok = False
+        _AVAILABLE.append(ok)
+    return _AVAILABLE[0]
 
 
 def model_norms(model: nn.Module) -> List[nn.LayerNorm]:
     """The modules of ``model`` that :func:`fast_layer_norms` is to swap: plain ``nn.LayerNorm``
     (exact type: a subclass may override ``forward``; a parametrized one is a subclass) with a CUDA
     weight, whose ``forward`` is not set on the instance already (accelerate's device hooks do).
-    None in a model with a ``torch.compile``'d part (the compiled graph has fused norms of its own)."""
+    None in a model with a ``torch.compile``'d part (the compiled graph has fused norms of its own),
+    and none where the kernel cannot run (:func:`kernel_available`)."""
     from .engine import has_compiled_part
 
-    if not ENABLED or not isinstance(model, nn.Module):
+    if not ENABLED or not isinstance(model, nn.Module) or not kernel_available():
         return []
     if has_compiled_part(model):
         return []
