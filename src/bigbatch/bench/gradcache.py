@@ -233,6 +233,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         "batch": b0, "chunk": 16, "loss_ref": ref_loss.item(), "loss": loss.item(),
         "grad_rel_err": ((g - g_ref).norm() / g_ref.norm()).item(),
     }
+    # the same step with PyTorch's LayerNorm backward in the re-runs (the one-pass kernel off): the
+    # reference's own ops, so the caching alone is measured (the kernel's fp32 sums in another
+    # order flip bf16 roundings downstream: a difference of bf16's size, ~4e-3, not an error)
+    from bigbatch.gradcache import norms
+
+    for t in params:
+        t.grad.zero_()
+    torch.manual_seed(5)
+    saved, norms.ENABLED = norms.ENABLED, False
+    try:
+        GradCache([mq, mp], chunk_sizes=16, loss_fn=loss_fn, get_rep_fn=_rep, autocast_dtype=torch.bfloat16)(qi, pi)
+    finally:
+        norms.ENABLED = saved
+    result["check"]["grad_rel_err_pytorch_norms"] = ((grads() - g_ref).norm() / g_ref.norm()).item()
     # the same step with inputs offloaded (pinned CPU, side-stream copies) and reps on the CPU,
     # and through the autograd-native cached_encode: all must give the same gradients
     cpu_q = {kk: v.cpu() for kk, v in qi.items()}
