@@ -24,21 +24,11 @@ import statistics
 
 import torch
 
-from bigbatch.bench.common import hardware
+from bigbatch.bench.common import cuda_time_ms, hardware
 
 
-def gpu_ms(fn, repeat: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def gpu_ms(fn) -> float:
+    return statistics.median(cuda_time_ms(fn, warmup=5, repeat=50))
 
 
 def main() -> None:

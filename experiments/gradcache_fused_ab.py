@@ -73,6 +73,16 @@ def full_step(setup, b: int, device):
     return qi, pi, full
 
 
+def cached_setup(b: int, device):
+    """The benchmark's setting at batch ``b``: (DualEncoder, query inputs, passage inputs, full-batch
+    step, bigbatch.GradCache at a 16 GiB budget)."""
+    setup = DualEncoder(device)
+    qi, pi, full = full_step(setup, b, device)
+    bb = GradCache([setup.mq, setup.mp], memory_budget="16GiB", loss_fn=setup.loss_fn,
+                   get_rep_fn=_rep, autocast_dtype=torch.bfloat16)
+    return setup, qi, pi, full, bb
+
+
 def switched(gc, switch, on: bool, *inputs):
     """A cached step ``gc(*inputs)`` run with the library's module switch ``switch.ENABLED = on``
     (accumulate, norms), set back to its value before afterwards: one side of an A/B."""

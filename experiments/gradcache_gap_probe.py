@@ -18,11 +18,9 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
-import tempfile
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import record_function
 
 import bigbatch.gradcache.cache as cache_mod
 from bigbatch.bench.common import hardware
@@ -30,6 +28,7 @@ from bigbatch.bench.gradcache import DualEncoder, _rep
 from bigbatch.gradcache import GradCache
 
 from gradcache_fused_ab import full_step
+from gradcache_idle_probe import trace_events
 
 PHASES = ("bb_encode", "bb_backprop", "bb_loss")
 
@@ -70,16 +69,7 @@ def op_ancestry(events):
 
 
 def trace(fn):
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    path = tempfile.mktemp(suffix=".json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    os.unlink(path)
+    events, _ = trace_events(fn, cpu=True)
     dev = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"][:70], e.get("args", {}).get("External id"))
                  for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
     ancestry = op_ancestry(events)

@@ -55,13 +55,14 @@ def timed(fn, repeat=3):
     return {"ms": statistics.median(times), "issue_ms": statistics.median(issue)}
 
 
-def busy(fn):
-    """Wall time and GPU busy time (union of device intervals) of one call, CUDA-only trace."""
+def trace_events(fn, cpu: bool = False) -> list:
+    """The chrome-trace events of one profiled call of ``fn`` (after one unprofiled call), CUDA
+    activity only unless ``cpu``; and the call's wall time in ms."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu else [])) as prof:
         t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
@@ -71,6 +72,12 @@ def busy(fn):
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     os.unlink(path)
+    return events, wall
+
+
+def busy(fn):
+    """Wall time and GPU busy time (union of device intervals) of one call, CUDA-only trace."""
+    events, wall = trace_events(fn)
     iv, per = [], collections.Counter()
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):

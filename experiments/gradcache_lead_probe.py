@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gradcache_fused_ab import full_step  # noqa: E402
-from gradcache_idle_probe import steps, syncs  # noqa: E402
+from gradcache_idle_probe import steps, syncs, trace_events  # noqa: E402
 from gradcache_switch_ab import ARMS  # noqa: E402
 
 from bigbatch.bench.common import hardware  # noqa: E402
@@ -104,20 +104,7 @@ def gaps(step, min_us: float = 5.0) -> dict:
     """The GPU's idle gaps of one step (a CUDA-only profiler trace: device intervals), with the
     kernel before and after each, summed per (before -> after) pair, and the largest gaps with
     their offset from the step's first device interval (to set beside the marks' ``gpu_ms``)."""
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    path = tempfile.mktemp(suffix=".json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    os.unlink(path)
+    events, _ = trace_events(step)
     def short(name: str) -> str:
         for junk in ("void ", "at::native::", "(anonymous namespace)::", "vectorized_elementwise_kernel",
                      "unrolled_elementwise_kernel", "at_cuda_detail::", "cudnn_generated_fort_native_"):

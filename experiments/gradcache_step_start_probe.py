@@ -26,12 +26,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gradcache_fused_ab import full_step  # noqa: E402
+from gradcache_fused_ab import cached_setup  # noqa: E402
 from gradcache_idle_probe import steps  # noqa: E402
 
 from bigbatch.bench.common import hardware  # noqa: E402
-from bigbatch.bench.gradcache import DualEncoder, _rep  # noqa: E402
-from bigbatch.gradcache import GradCache  # noqa: E402
 
 
 class Stop(Exception):
@@ -53,10 +51,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2048)
     args = p.parse_args()
     dev = torch.device("cuda")
-    setup = DualEncoder(dev)
-    qi, pi, full = full_step(setup, args.batch, dev)
-    bb = GradCache([setup.mq, setup.mp], memory_budget="16GiB", loss_fn=setup.loss_fn, get_rep_fn=_rep,
-                   autocast_dtype=torch.bfloat16)
+    setup, qi, pi, _, bb = cached_setup(args.batch, dev)
     steps(lambda: bb(qi, pi), 3)
     stop = [False]
 
