@@ -355,6 +355,32 @@ def test_on_by_default_where_the_kernel_can_run(cpu_kernel, monkeypatch):
     assert norms.model_norms(m) == [] and norms._AVAILABLE == [False]
 
 
+def test_gpus_before_ampere_keep_pytorchs_norm(monkeypatch):
+    """A GPU of compute capability below 8.0 (which Triton does not support) is not given the
+    kernel; the capability is read once per device."""
+    asked = []
+
+    def capability(index):
+        asked.append(index)
+        return {0: (7, 5), 1: (9, 0)}[index]
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    monkeypatch.setattr(norms, "_CAPABLE", {})
+
+    class FakeCuda:
+        is_cuda = True
+
+        def __init__(self, index):
+            self.index = index
+
+        def get_device(self):
+            return self.index
+
+    assert not norms.capable_device(FakeCuda(0)) and norms.capable_device(FakeCuda(1))
+    assert not norms.capable_device(FakeCuda(0)) and asked == [0, 1]
+    assert norms.capable_device(torch.zeros(1))  # off CUDA: the interpreter's tests
+
+
 def test_library_swaps_only_cuda_weights():
     m = Net()
     assert norms.model_norms(m) == []  # CPU weights: PyTorch's backward, untouched

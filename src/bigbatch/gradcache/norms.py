@@ -1,5 +1,6 @@
 """LayerNorm with a one-pass backward (``norm_kernel.py``) for the chunks gradient caching back-propagates.
-On by default where it can run (``ENABLED``, :func:`kernel_available`, below: NVIDIA GPUs with Triton).
+On by default where it can run (``ENABLED``, :func:`kernel_available`, :func:`capable_device`, below:
+NVIDIA GPUs of compute capability 8.0 or later, with Triton).
 
 At a 16 GiB budget the BERT-base benchmark's chunks are ~32k tokens, where PyTorch's LayerNorm
 weight-gradient kernel runs far below memory bandwidth (docs/gradcache.md, "Where the rest goes").
@@ -120,6 +121,20 @@ def on_kernel_device(t: Tensor) -> bool:
     return t.is_cuda
 
 
+_CAPABLE: dict = {}
+
+
+def capable_device(t: Tensor) -> bool:
+    """Whether ``t``'s GPU is one Triton supports (compute capability 8.0 or later: Ampere, Hopper,
+    Blackwell); an older one keeps PyTorch's norm. True off CUDA (the tests' interpreter)."""
+    if not t.is_cuda:
+        return True
+    index = t.get_device()
+    if index not in _CAPABLE:
+        _CAPABLE[index] = torch.cuda.get_device_capability(index) >= (8, 0)
+    return _CAPABLE[index]
+
+
 def kernel_applies(module: nn.Module, x: Tensor) -> bool:
     """Whether a call of ``module`` (a plain ``nn.LayerNorm``) on ``x`` takes the kernel: a graph is
     recorded, a weight or bias requires grad, and ``x`` is a CUDA tensor of a dtype and row width
@@ -186,7 +201,7 @@ def kernel_available() -> bool:
 def model_norms(model: nn.Module) -> List[nn.LayerNorm]:
     """The modules of ``model`` that :func:`fast_layer_norms` is to swap: plain ``nn.LayerNorm``
     (exact type: a subclass may override ``forward``; a parametrized one is a subclass) with a CUDA
-    weight, whose ``forward`` is not set on the instance already (accelerate's device hooks do).
+    weight on a GPU Triton supports (:func:`capable_device`), whose ``forward`` is not set on the instance already (accelerate's device hooks do).
     None in a model with a ``torch.compile``'d part (the compiled graph has fused norms of its own),
     and none where the kernel cannot run (:func:`kernel_available`)."""
     from .engine import has_compiled_part
@@ -196,7 +211,7 @@ def model_norms(model: nn.Module) -> List[nn.LayerNorm]:
     if has_compiled_part(model):
         return []
     return [m for m in walk.submodules(model) if type(m) is nn.LayerNorm and isinstance(m.weight, Tensor)
-            and on_kernel_device(m.weight) and "forward" not in m.__dict__]
+            and on_kernel_device(m.weight) and capable_device(m.weight) and "forward" not in m.__dict__]
 
 
 @contextlib.contextmanager
