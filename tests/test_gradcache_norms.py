@@ -7,6 +7,11 @@ swap, which the library makes for CUDA weights only, is widened to the CPU (``cp
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -36,6 +41,7 @@ def cpu_kernel(monkeypatch):
 
     monkeypatch.setattr(norms, "on_kernel_device", lambda t: t.device.type == TRITON_DEVICE)
     monkeypatch.setattr(norms, "ENABLED", True)  # (the default, set against a test that turned it off)
+    monkeypatch.setattr(norms, "kernel_available", lambda device: True)  # (its self-test: tested on its own)
     monkeypatch.setattr(norm_kernel, "layer_norm_backward", counted)
     return calls
 
@@ -332,53 +338,79 @@ def test_data_parallel_devices_are_replayed():
     assert model_cuda_devices(nn.Sequential(Net())) == []
 
 
-def test_on_by_default_where_the_kernel_can_run(cpu_kernel, monkeypatch):
-    """On by default; not swapped on ROCm (untested there) nor without an importable Triton (the
-    first backward would fail): PyTorch's norm is kept, decided once per process."""
-    import subprocess
-    import sys
-
+def test_on_by_default():
     code = "from bigbatch.gradcache import norms; print(norms.ENABLED)"  # a fresh process's default
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "True"
+
+
+@pytest.fixture
+def fresh_availability(monkeypatch):
+    """``kernel_available`` deciding afresh (its per-device memo emptied), the swap on CPU tensors."""
+    monkeypatch.setattr(norms, "_AVAILABLE", {})
+    monkeypatch.setattr(norms, "on_kernel_device", lambda t: t.device.type == TRITON_DEVICE)
+    monkeypatch.setattr(norms, "ENABLED", True)
+
+
+def test_self_test_runs_the_kernel_once_per_device(fresh_availability, monkeypatch):
+    """The kernel is compiled, launched and checked against float64 once per device; its verdict
+    is kept."""
+    runs = []
+    real = norms._self_test
+    monkeypatch.setattr(norms, "_self_test", lambda device: runs.append(device) or real(device))
     m = Net(device=TRITON_DEVICE)
-    assert norms.model_norms(m) == [m.ln1, m.ln2]
-    monkeypatch.setattr(norms, "_AVAILABLE", [])
-    monkeypatch.setattr(torch.version, "hip", "6.2")
-    assert norms.model_norms(m) == [] and norms._AVAILABLE == [False]
-    monkeypatch.setattr(norms, "_AVAILABLE", [])
-    monkeypatch.setattr(torch.version, "hip", None)
-
-    def no_triton():
-        raise ImportError("No module named 'triton'")
-
-    monkeypatch.setattr(norms, "_kernel", no_triton)
-    assert norms.model_norms(m) == [] and norms._AVAILABLE == [False]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no warning where it runs)
+        assert norms.model_norms(m) == [m.ln1, m.ln2]
+        assert norms.model_norms(m) == [m.ln1, m.ln2]
+    assert len(runs) == 1 and list(norms._AVAILABLE.values()) == [True]
 
 
-def test_gpus_before_ampere_keep_pytorchs_norm(monkeypatch):
-    """A GPU of compute capability below 8.0 (which Triton does not support) is not given the
-    kernel; the capability is read once per device."""
-    asked = []
+def test_self_test_refuses_a_gpu_below_tritons_floor(fresh_availability, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 0))
+    with pytest.warns(RuntimeWarning, match=r"compute capability \(6, 0\), below Triton's 7.0"):
+        assert not norms.kernel_available(torch.device("cuda", 0))
+    assert norms._AVAILABLE == {("cuda", 0): False}
 
-    def capability(index):
-        asked.append(index)
-        return {0: (7, 5), 1: (9, 0)}[index]
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
-    monkeypatch.setattr(norms, "_CAPABLE", {})
+@pytest.mark.parametrize("failure", ["import", "launch", "wrong", "rocm"])
+def test_where_the_kernel_cannot_run_pytorchs_norm_is_kept(fresh_availability, monkeypatch, failure):
+    """No Triton, a Triton that imports but cannot launch (no C compiler to build its launcher, as
+    in slim images), a kernel whose gradients are off: the norms are not swapped and a warning says
+    why, once per device; on ROCm (untested) quietly. The step then equals PyTorch's."""
+    def broken(*args, **kwargs):
+        if failure == "import":
+            raise ImportError("No module named 'triton'")
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
 
-    class FakeCuda:
-        is_cuda = True
+    if failure == "import":
+        monkeypatch.setattr(norms, "_kernel", broken)
+    elif failure == "launch":
+        monkeypatch.setattr(norm_kernel, "layer_norm_backward", broken)
+    elif failure == "wrong":
+        real = norm_kernel.layer_norm_backward
+        monkeypatch.setattr(norm_kernel, "layer_norm_backward", lambda *a: tuple(g * 1.01 for g in real(*a)))
+    else:
+        monkeypatch.setattr(torch.version, "hip", "6.2")
+    m = Net(device=TRITON_DEVICE)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        assert norms.model_norms(m) == [] and norms.model_norms(m) == []
+    assert len(got) == (0 if failure == "rocm" else 1), [str(w.message) for w in got]
+    if got:
+        assert "one-pass LayerNorm backward cannot run" in str(got[0].message)
+        assert ("differ from float64" if failure == "wrong" else "Error: ") in str(got[0].message)
+    x = torch.randn(4, 6, device=TRITON_DEVICE)
+    loss = lambda a, b: F.cross_entropy(a @ b.T, torch.arange(4, device=TRITON_DEVICE))
 
-        def __init__(self, index):
-            self.index = index
+    def step():
+        m.zero_grad()
+        torch.manual_seed(0)
+        GradCache(m, 2, loss)(x, x + 1)
+        return [p.grad.clone() for p in m.parameters()]
 
-        def get_device(self):
-            return self.index
-
-    assert not norms.capable_device(FakeCuda(0)) and norms.capable_device(FakeCuda(1))
-    assert not norms.capable_device(FakeCuda(0)) and asked == [0, 1]
-    assert norms.capable_device(torch.zeros(1))  # off CUDA: the interpreter's tests
+    swapped_off = step()
+    monkeypatch.setattr(norms, "ENABLED", False)
+    assert all(torch.equal(a, b) for a, b in zip(swapped_off, step()))
 
 
 def test_library_swaps_only_cuda_weights():
@@ -572,3 +604,91 @@ def test_transform_over_other_inputs_and_batched_backward(cpu_kernel):
         (jac,) = torch.autograd.grad(out, x, eye, is_grads_batched=True)
     want = torch.autograd.functional.jacobian(lambda v: F.layer_norm(v, (5,), ln.weight, ln.bias), x.detach())
     assert torch.allclose(jac, want.reshape(15, 3, 5), atol=1e-5)
+
+
+class Jagged(nn.Module):
+    """Padding removed inside the forward: the LayerNorm runs on a nested (jagged) tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(50, 8)
+        self.ln = nn.LayerNorm(8)
+        self.to(TRITON_DEVICE)
+
+    def forward(self, ids, lengths):
+        h = self.emb(ids)
+        mask = torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]
+        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        v = self.ln(torch.nested.nested_tensor_from_jagged(h[mask], offsets)).values()
+        seg = torch.repeat_interleave(torch.arange(len(lengths), device=ids.device), lengths)
+        return torch.zeros(len(lengths), 8, device=ids.device).index_add(0, seg, v) / lengths[:, None]
+
+
+def test_nested_and_subclass_tensors_take_pytorchs_norm(cpu_kernel, monkeypatch):
+    """A nested (jagged) input, a tensor subclass input or weight (a DTensor is one) -- whose
+    backward would hand the kernel what it cannot read -- take PyTorch's norm: the GradCache step
+    with a jagged LayerNorm equals the one with the kernel off."""
+    m = Jagged()
+    g = torch.Generator().manual_seed(1)
+    q, p = ({"ids": torch.randint(0, 50, (8, 6), generator=g).to(TRITON_DEVICE),
+             "lengths": torch.randint(1, 7, (8,), generator=g).to(TRITON_DEVICE)} for _ in range(2))
+    loss = lambda a, b: F.cross_entropy(a @ b.T, torch.arange(len(a), device=a.device))
+
+    def step():
+        m.zero_grad()
+        GradCache(m, 4, loss)(q, p)
+        return [t.grad.clone() for t in m.parameters()]
+
+    with_swap = step()
+    assert not cpu_kernel and norms.model_norms(m) == [m.ln]
+    monkeypatch.setattr(norms, "ENABLED", False)
+    assert all(torch.equal(a, b) for a, b in zip(with_swap, step()))
+
+    class Sub(torch.Tensor):
+        pass
+
+    ln = nn.LayerNorm(8).to(TRITON_DEVICE)
+    x = torch.randn(3, 8, device=TRITON_DEVICE)
+    assert norms.kernel_applies(ln, x) and not norms.kernel_applies(ln, x.as_subclass(Sub))
+    ln.weight = nn.Parameter(torch.ones(8, device=TRITON_DEVICE).as_subclass(Sub))
+    assert type(ln.weight) is Sub and not norms.kernel_applies(ln, x)
+    monkeypatch.setattr(norms, "ENABLED", True)
+    assert norms.model_norms(ln) == []
+
+
+DTENSOR_STEP = """
+import os, socket, sys
+import torch, torch.nn as nn
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+from bigbatch.gradcache import norms
+norms.on_kernel_device = lambda t: True
+norms.kernel_available = lambda device: True
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+torch.manual_seed(0)
+ln = nn.LayerNorm(8)
+distribute_module(ln, mesh)
+x = distribute_tensor(torch.randn(4, 6, 8), mesh, [Shard(1)]).requires_grad_()
+ln(x).to_local().square().sum().backward()
+want = ln.weight.grad.to_local().clone()
+ln.zero_grad()
+with norms.fast_layer_norms(norms.model_norms(ln) or [ln]):
+    ln(x).to_local().square().sum().backward()
+assert torch.equal(ln.weight.grad.to_local(), want)
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_dtensor_layer_norm_takes_pytorchs_norm():
+    """Tensor parallelism's replicated norm weights on sharded activations (DTensors): not swapped,
+    and even a swapped module differentiates them with PyTorch's norm (a subprocess: its own group)."""
+    pytest.importorskip("torch.distributed.tensor")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", DTENSOR_STEP], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -81,11 +81,12 @@ class DualEncoder:
         return self._clip(q.float(), k.float(), self.logit_scale.exp(), backend="torch")
 
 
-def _library_settings(device: torch.device) -> Dict[str, Any]:
-    """The library switches the bigbatch rows ran with (their defaults unless changed in-process)."""
+def _library_settings(models: List[torch.nn.Module]) -> Dict[str, Any]:
+    """What the library does with these models in the bigbatch rows: the LayerNorms its re-runs
+    give the one-pass backward (none on the CPU, in a compiled model, or where the kernel cannot run)."""
     from bigbatch.gradcache import norms
 
-    return {"one_pass_layer_norm": bool(norms.ENABLED and device.type == "cuda" and norms.kernel_available())}
+    return {"one_pass_layer_norms": sum(len(norms.model_norms(m)) for m in models)}
 
 
 def _inputs(b: int, seq: int, vocab: int, device: torch.device, seed: int) -> Dict[str, torch.Tensor]:
@@ -191,7 +192,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "model": ("2 x BertModel(BertConfig()) random weights, train mode" if not args.tiny else "tiny BERT")
                  + (", torch.compile(dynamic=True)" if args.compile else ""),
         "loss": "bigbatch.clip_loss(backend='torch'), learned scale", "rows": [],
-        "library": _library_settings(device),
+        "library": _library_settings([mq, mp]),
     }
     if cuda:
         _log("matmul rate")

@@ -1,6 +1,6 @@
 """LayerNorm with a one-pass backward (``norm_kernel.py``) for the chunks gradient caching back-propagates.
-On by default where it can run (``ENABLED``, :func:`kernel_available`, :func:`capable_device`, below:
-NVIDIA GPUs of compute capability 8.0 or later, with Triton).
+On by default where it runs (``ENABLED``, :func:`kernel_available`, below: NVIDIA GPUs of compute
+capability 7.0 or later where Triton compiles and launches it, checked once per device).
 
 At a 16 GiB budget the BERT-base benchmark's chunks are ~32k tokens, where PyTorch's LayerNorm
 weight-gradient kernel runs far below memory bandwidth (docs/gradcache.md, "Where the rest goes").
@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from typing import Iterator, List, Optional, Sequence, Tuple
+import warnings
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ from .._autograd import _compiling, batched, functorch_active, transformed
 from . import walk
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_PLAIN = (Tensor, nn.Parameter)  # a weight's types the kernel reads (a DTensor parameter is a DTensor)
 # widest row the kernel takes (a row lives in registers: norm_kernel.py)
 MAX_N = 8192
 
@@ -121,20 +123,6 @@ def on_kernel_device(t: Tensor) -> bool:
     return t.is_cuda
 
 
-_CAPABLE: dict = {}
-
-
-def capable_device(t: Tensor) -> bool:
-    """Whether ``t``'s GPU is one Triton supports (compute capability 8.0 or later: Ampere, Hopper,
-    Blackwell); an older one keeps PyTorch's norm. True off CUDA (the tests' interpreter)."""
-    if not t.is_cuda:
-        return True
-    index = t.get_device()
-    if index not in _CAPABLE:
-        _CAPABLE[index] = torch.cuda.get_device_capability(index) >= (8, 0)
-    return _CAPABLE[index]
-
-
 def kernel_applies(module: nn.Module, x: Tensor) -> bool:
     """Whether a call of ``module`` (a plain ``nn.LayerNorm``) on ``x`` takes the kernel: a graph is
     recorded, a weight or bias requires grad, and ``x`` is a CUDA tensor of a dtype and row width
@@ -142,12 +130,16 @@ def kernel_applies(module: nn.Module, x: Tensor) -> bool:
     (whatever its inputs) and no input carrying a forward-mode tangent (the Function has neither a vmap nor a jvp rule:
     PyTorch's layer norm has both), and not traced by ``torch.compile`` (a compiled function inside
     an uncompiled forward, which ``model_norms`` cannot see: the compiler fuses norms itself).
+    Plain tensors only: a nested (jagged) input, a DTensor or another subclass -- whose backward
+    would hand the kernel what it cannot read -- takes PyTorch's norm.
     (Runs per LayerNorm call: the cheapest tests first.)"""
-    if not torch.is_grad_enabled() or x.dtype not in _KERNEL_DTYPES or not on_kernel_device(x):
+    if not torch.is_grad_enabled() or type(x) is not Tensor or x.dtype not in _KERNEL_DTYPES \
+            or not on_kernel_device(x) or x.is_nested:
         return False
     w, b = module.weight, module.bias
     return ((w is not None and w.requires_grad or b is not None and b.requires_grad)
-            and (w is None or w.dtype in _KERNEL_DTYPES) and (b is None or b.dtype in _KERNEL_DTYPES)
+            and (w is None or type(w) in _PLAIN and w.dtype in _KERNEL_DTYPES)
+            and (b is None or type(b) in _PLAIN and b.dtype in _KERNEL_DTYPES)
             and math.prod(module.normalized_shape) <= MAX_N and not _compiling() and not functorch_active()
             and not transformed(x, w, b))
 
@@ -180,38 +172,68 @@ class OnePassLayerNorm(nn.LayerNorm):
 # experiments/gradcache_switch_ab.py, benchmarks/results/probes/norms_ab_s22_*.json, norms_ab_s23_*.json.
 ENABLED = True
 
-_AVAILABLE: List[bool] = []
+# per device: whether the kernel runs there (decided once per process, :func:`kernel_available`)
+_AVAILABLE: Dict[Tuple[str, int], bool] = {}
 
 
-def kernel_available() -> bool:
-    """Whether the kernel can run in this process: an NVIDIA build of torch (on ROCm it is untested:
-    PyTorch's norm is kept) and Triton importable (``norm_kernel`` imports it; without Triton the
-    norms are not swapped, rather than failing in the first backward). Decided once."""
-    if not _AVAILABLE:
-        ok = torch.version.hip is None
-        if ok:
-            try:
-                _kernel()
-            except ImportError:
-                ok = False
-        _AVAILABLE.append(ok)
-    return _AVAILABLE[0]
+def kernel_available(device: torch.device) -> bool:
+    """Whether the kernel runs on ``device``, decided once per device and process: an NVIDIA build
+    of torch (on ROCm the kernel is untested: PyTorch's norm, quietly), a GPU of compute capability
+    7.0 or later (Triton's floor), and the kernel compiled, launched and checked against float64
+    on a small input there (:func:`_self_test`): Triton may import and still fail at its first
+    launch (no C compiler to build its launcher, as in slim images). Where it cannot run, a warning
+    says why and the norms keep PyTorch's backward."""
+    key = (device.type, device.index if device.index is not None else -1)
+    if key not in _AVAILABLE:
+        why = None if torch.version.hip is None else "ROCm"
+        if why is None:
+            why = _self_test(device)
+            if why is not None:
+                warnings.warn(f"bigbatch: the one-pass LayerNorm backward cannot run on {device} ({why}); gradient "
+                              f"caching uses PyTorch's LayerNorm backward there", RuntimeWarning, stacklevel=3)
+        _AVAILABLE[key] = why is None
+    return _AVAILABLE[key]
+
+
+def _self_test(device: torch.device) -> Optional[str]:
+    """``None`` if the kernel runs on ``device`` and its three gradients of a 37 x 24 fp32 layer
+    norm match float64's; else why not. Touches no random state (its data come from a generator of
+    its own), under no autocast and with grad on whatever the caller's modes."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (7, 0):
+        return f"compute capability {torch.cuda.get_device_capability(device)}, below Triton's 7.0"
+    try:
+        g = torch.Generator().manual_seed(0)
+        x, dy = (torch.randn(37, 24, generator=g, dtype=torch.float64) for _ in range(2))
+        w, b = (torch.randn(24, generator=g, dtype=torch.float64) for _ in range(2))
+        on = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with on:  # (Triton launches on the current device)
+            got = _kernel().layer_norm_backward(x.float().to(device), dy.float().to(device), w.float().to(device),
+                                                1e-5, True, True, True)
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        with torch.enable_grad(), torch.autocast("cpu", enabled=False):
+            want = torch.autograd.grad(F.layer_norm(leaves[0], (24,), leaves[1], leaves[2], 1e-5), leaves, dy)
+        if not all(torch.allclose(a.double().cpu(), r, rtol=1e-4, atol=1e-5) for a, r in zip(got, want)):
+            return "its gradients of a test input differ from float64's"
+    except Exception as exc:  # noqa: BLE001 -- any failure to compile or launch: the norm is not swapped
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def model_norms(model: nn.Module) -> List[nn.LayerNorm]:
     """The modules of ``model`` that :func:`fast_layer_norms` is to swap: plain ``nn.LayerNorm``
     (exact type: a subclass may override ``forward``; a parametrized one is a subclass) with a CUDA
-    weight on a GPU Triton supports (:func:`capable_device`), whose ``forward`` is not set on the instance already (accelerate's device hooks do).
-    None in a model with a ``torch.compile``'d part (the compiled graph has fused norms of its own),
-    and none where the kernel cannot run (:func:`kernel_available`)."""
+    weight (a plain tensor: not a DTensor or other subclass) on a device where the kernel runs
+    (:func:`kernel_available`), whose ``forward`` is not set on the instance already (accelerate's
+    device hooks do). None in a model with a ``torch.compile``'d part (the compiled graph has fused
+    norms of its own)."""
     from .engine import has_compiled_part
 
-    if not ENABLED or not isinstance(model, nn.Module) or not kernel_available():
+    if not ENABLED or not isinstance(model, nn.Module):
         return []
     if has_compiled_part(model):
         return []
-    return [m for m in walk.submodules(model) if type(m) is nn.LayerNorm and isinstance(m.weight, Tensor)
-            and on_kernel_device(m.weight) and capable_device(m.weight) and "forward" not in m.__dict__]
+    return [m for m in walk.submodules(model) if type(m) is nn.LayerNorm and type(m.weight) in _PLAIN
+            and on_kernel_device(m.weight) and "forward" not in m.__dict__ and kernel_available(m.weight.device)]
 
 
 @contextlib.contextmanager
