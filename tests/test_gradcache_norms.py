@@ -553,6 +553,7 @@ def test_cuda_bert_step_with_and_without_kernel(monkeypatch):
     q = {"input_ids": torch.randint(5, 500, (24, 16), generator=g).cuda()}
     p = {"input_ids": torch.randint(5, 500, (24, 40), generator=g).cuda()}
     rep = lambda out: out.last_hidden_state[:, 0]
+    assert norms.kernel_available(torch.device("cuda", torch.cuda.current_device()))  # (its self-test: before the count)
     calls = []
     real = norm_kernel.layer_norm_backward
     monkeypatch.setattr(norm_kernel, "layer_norm_backward", lambda *a, **k: calls.append(1) or real(*a, **k))
