@@ -365,6 +365,16 @@ def test_self_test_runs_the_kernel_once_per_device(fresh_availability, monkeypat
     assert len(runs) == 1 and list(norms._AVAILABLE.values()) == [True]
 
 
+def test_self_test_whatever_the_callers_modes(fresh_availability):
+    """Inference mode, no grad, CPU autocast and another default device around the first call do
+    not fail the self-test (which would keep PyTorch's norm with a wrong warning)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16), torch.device("meta"):
+            assert norms.kernel_available(torch.device(TRITON_DEVICE))
+    assert norms._self_test(torch.device(TRITON_DEVICE)) is None
+
+
 def test_self_test_refuses_a_gpu_below_tritons_floor(fresh_availability, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 0))
     with pytest.warns(RuntimeWarning, match=r"compute capability \(6, 0\), below Triton's 7.0"):

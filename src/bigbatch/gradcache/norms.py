@@ -198,19 +198,20 @@ def kernel_available(device: torch.device) -> bool:
 def _self_test(device: torch.device) -> Optional[str]:
     """``None`` if the kernel runs on ``device`` and its three gradients of a 37 x 24 fp32 layer
     norm match float64's; else why not. Touches no random state (its data come from a generator of
-    its own), under no autocast and with grad on whatever the caller's modes."""
+    its own); the same whatever the caller's modes (inference mode, no grad, autocast, a default
+    device)."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (7, 0):
         return f"compute capability {torch.cuda.get_device_capability(device)}, below Triton's 7.0"
     try:
-        g = torch.Generator().manual_seed(0)
-        x, dy = (torch.randn(37, 24, generator=g, dtype=torch.float64) for _ in range(2))
-        w, b = (torch.randn(24, generator=g, dtype=torch.float64) for _ in range(2))
-        on = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        with on:  # (Triton launches on the current device)
-            got = _kernel().layer_norm_backward(x.float().to(device), dy.float().to(device), w.float().to(device),
-                                                1e-5, True, True, True)
-        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
-        with torch.enable_grad(), torch.autocast("cpu", enabled=False):
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False):
+            g = torch.Generator().manual_seed(0)  # (device="cpu" below: whatever the default device)
+            x, dy = (torch.randn(37, 24, generator=g, dtype=torch.float64, device="cpu") for _ in range(2))
+            w, b = (torch.randn(24, generator=g, dtype=torch.float64, device="cpu") for _ in range(2))
+            on = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+            with on:  # (Triton launches on the current device)
+                got = _kernel().layer_norm_backward(x.float().to(device), dy.float().to(device),
+                                                    w.float().to(device), 1e-5, True, True, True)
+            leaves = [t.clone().requires_grad_() for t in (x, w, b)]
             want = torch.autograd.grad(F.layer_norm(leaves[0], (24,), leaves[1], leaves[2], 1e-5), leaves, dy)
         if not all(torch.allclose(a.double().cpu(), r, rtol=1e-4, atol=1e-5) for a, r in zip(got, want)):
             return "its gradients of a test input differ from float64's"
