@@ -73,6 +73,17 @@ def full_step(setup, b: int, device):
     return qi, pi, full
 
 
+def probe_main():
+    """``--out`` and ``--batch`` (default 2,048) parsed, and :func:`cached_setup` at that batch on
+    CUDA: (args, DualEncoder, query inputs, passage inputs, bigbatch.GradCache)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--batch", type=int, default=2048)
+    args = p.parse_args()
+    setup, qi, pi, _, bb = cached_setup(args.batch, torch.device("cuda"))
+    return args, setup, qi, pi, bb
+
+
 def cached_setup(b: int, device):
     """The benchmark's setting at batch ``b``: (DualEncoder, query inputs, passage inputs, full-batch
     step, bigbatch.GradCache at a 16 GiB budget)."""

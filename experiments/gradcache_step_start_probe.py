@@ -13,7 +13,6 @@ tables (cumulative and own time) of 50 of them, and the cost of a few torch quer
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import json
@@ -26,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gradcache_fused_ab import cached_setup  # noqa: E402
+from gradcache_fused_ab import probe_main  # noqa: E402
 from gradcache_idle_probe import steps  # noqa: E402
 
 from bigbatch.bench.common import hardware  # noqa: E402
@@ -46,12 +45,8 @@ def per_call_us(fn, n: int = 200) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--batch", type=int, default=2048)
-    args = p.parse_args()
+    args, setup, qi, pi, bb = probe_main()
     dev = torch.device("cuda")
-    setup, qi, pi, _, bb = cached_setup(args.batch, dev)
     steps(lambda: bb(qi, pi), 3)
     stop = [False]
 

@@ -15,7 +15,6 @@ Python's thread switch interval at its default and at 0.1 ms.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -24,10 +23,8 @@ import threading
 import time
 from unittest import mock
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gradcache_fused_ab import cached_setup, switch_set  # noqa: E402
+from gradcache_fused_ab import probe_main, switch_set  # noqa: E402
 from gradcache_idle_probe import steps  # noqa: E402
 
 from bigbatch.bench.common import hardware  # noqa: E402
@@ -52,12 +49,7 @@ def thread_cpu() -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--batch", type=int, default=2048)
-    args = p.parse_args()
-    dev = torch.device("cuda")
-    setup, qi, pi, _, bb = cached_setup(args.batch, dev)
+    args, setup, qi, pi, bb = probe_main()
     res = {"hardware": hardware(), "batch": args.batch, "switch_interval_s": sys.getswitchinterval(),
            "python_threads": [t.name for t in threading.enumerate()]}
     original = norms.LayerNormFunction.backward
