@@ -375,11 +375,82 @@ def test_self_test_whatever_the_callers_modes(fresh_availability):
     assert norms._self_test(torch.device(TRITON_DEVICE)) is None
 
 
-def test_self_test_refuses_a_gpu_below_tritons_floor(fresh_availability, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 0))
-    with pytest.warns(RuntimeWarning, match=r"compute capability \(6, 0\), below Triton's 7.0"):
+def test_self_test_refuses_a_gpu_before_ampere(fresh_availability, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (no capture to ask about here)
+    with pytest.warns(RuntimeWarning, match=r"compute capability \(7, 5\), below 8.0"):
         assert not norms.kernel_available(torch.device("cuda", 0))
     assert norms._AVAILABLE == {("cuda", 0): False}
+
+
+def test_self_test_reference_and_its_side_effects(fresh_availability, monkeypatch):
+    """The closed-form reference equals autograd's float64 gradients; the self-test runs no autograd
+    (a caller's saved-tensor hooks see nothing) and calls the kernel twice (on CUDA: through Triton's
+    JIT, then its compiled runner)."""
+    g = torch.Generator().manual_seed(4)
+    x, dy = torch.randn(5, 9, generator=g, dtype=F64), torch.randn(5, 9, generator=g, dtype=F64)
+    w = torch.randn(9, generator=g, dtype=F64)
+    want = reference_grads(x.requires_grad_(), (9,), w.requires_grad_(), torch.zeros(9, dtype=F64, requires_grad=True),
+                           1e-5, dy)
+    for a, b in zip(norms._reference_grads(x.detach(), dy, w.detach(), 1e-5), want):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    calls, real = [], norm_kernel.layer_norm_backward
+    monkeypatch.setattr(norm_kernel, "layer_norm_backward", lambda *a: calls.append(1) or real(*a))
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t):
+        assert norms._self_test(torch.device(TRITON_DEVICE)) is None
+    assert packed == [] and calls == [1, 1]
+
+
+def test_self_test_waits_out_transforms_and_dispatch_modes(fresh_availability):
+    """Asked inside vmap / torch.func.grad / a fake-tensor mode (where a self-test fails for reasons
+    of its own): no for that call, nothing kept, no warning; asked again outside: it runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    dev = torch.device(TRITON_DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not torch.vmap(lambda t: t * norms.kernel_available(dev))(torch.ones(2)).any()
+        assert torch.func.grad(lambda t: (t * (0.0 if norms.kernel_available(dev) else 1.0)).sum())(torch.ones(2)).all()
+        with FakeTensorMode():
+            assert not norms.kernel_available(dev)
+        assert norms._AVAILABLE == {}
+        assert norms.kernel_available(dev) and len(norms._AVAILABLE) == 1
+
+
+def test_a_failing_self_test_is_kept_when_its_warning_raises(fresh_availability, monkeypatch):
+    runs = []
+
+    def broken(*args, **kwargs):
+        runs.append(1)
+        raise RuntimeError("Failed to find C compiler.")
+
+    monkeypatch.setattr(norm_kernel, "layer_norm_backward", broken)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (python -W error, pytest's filterwarnings=error)
+        with pytest.raises(RuntimeWarning):
+            norms.kernel_available(torch.device(TRITON_DEVICE))
+        assert not norms.kernel_available(torch.device(TRITON_DEVICE))
+    assert runs == [1]
+
+
+def test_an_incoming_gradient_the_kernel_cannot_read_takes_pytorchs_backward(cpu_kernel):
+    """A tensor-subclass gradient reaching the norm (its output multiplied by a wrapper subclass
+    downstream) is differentiated by PyTorch, as by the unswapped norm."""
+    two = pytest.importorskip("torch.testing._internal.two_tensor")
+    ln = nn.LayerNorm(6).to(TRITON_DEVICE)
+    x = torch.randn(4, 6, device=TRITON_DEVICE, requires_grad=True)
+    scale = two.TwoTensor(torch.randn(4, 6, device=TRITON_DEVICE), torch.randn(4, 6, device=TRITON_DEVICE))
+    grads = []
+    for swap in ([ln], []):
+        with norms.fast_layer_norms(swap):
+            (ln(x) * scale).sum().backward()
+        grads.append([t.grad for t in (x, ln.weight, ln.bias)])
+        for t in (x, ln.weight, ln.bias):
+            t.grad = None
+    assert not cpu_kernel
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6)
 
 
 @pytest.mark.parametrize("failure", ["import", "launch", "wrong", "rocm"])

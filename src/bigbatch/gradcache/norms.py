@@ -1,6 +1,6 @@
 """LayerNorm with a one-pass backward (``norm_kernel.py``) for the chunks gradient caching back-propagates.
 On by default where it runs (``ENABLED``, :func:`kernel_available`, below: NVIDIA GPUs of compute
-capability 7.0 or later where Triton compiles and launches it, checked once per device).
+capability 8.0 or later where Triton compiles and launches it, checked once per device).
 
 At a 16 GiB budget the BERT-base benchmark's chunks are ~32k tokens, where PyTorch's LayerNorm
 weight-gradient kernel runs far below memory bandwidth (docs/gradcache.md, "Where the rest goes").
@@ -56,7 +56,9 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, weight, bias = ctx.saved_tensors
-        if torch.is_grad_enabled() or batched(dy):  # create_graph=True; is_grads_batched (a vmapped backward)
+        # create_graph=True; is_grads_batched (a vmapped backward); an incoming gradient the kernel
+        # cannot read (a tensor subclass, a nested tensor)
+        if torch.is_grad_enabled() or type(dy) is not Tensor or dy.is_nested or batched(dy):
             return _differentiable_backward(ctx, dy, x, weight, bias)
         need_dx, _, need_dw, need_db, _ = ctx.needs_input_grad
         shape = ctx.shape
@@ -96,8 +98,8 @@ def _kernel():
 
 def _differentiable_backward(ctx, dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]):
     """PyTorch's gradients: its layer norm recomputed on the saved tensors (under the forward's
-    autocast setting) and differentiated -- as a graph under ``create_graph=True``; for a batched
-    ``dy`` (which the kernel cannot take) without one otherwise."""
+    autocast setting) and differentiated -- as a graph under ``create_graph=True``; for a ``dy``
+    the kernel cannot take (batched, a tensor subclass, nested) without one otherwise."""
     need = (ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3])
     inputs = [t for t, k in zip((x, weight, bias), need) if k]
     device, dtype, amp = ctx.amp
@@ -174,50 +176,82 @@ ENABLED = True
 
 # per device: whether the kernel runs there (decided once per process, :func:`kernel_available`)
 _AVAILABLE: Dict[Tuple[str, int], bool] = {}
+_AVAILABLE_LOCK = threading.Lock()
+_DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", None)
 
 
 def kernel_available(device: torch.device) -> bool:
     """Whether the kernel runs on ``device``, decided once per device and process: an NVIDIA build
     of torch (on ROCm the kernel is untested: PyTorch's norm, quietly), a GPU of compute capability
-    7.0 or later (Triton's floor), and the kernel compiled, launched and checked against float64
-    on a small input there (:func:`_self_test`): Triton may import and still fail at its first
-    launch (no C compiler to build its launcher, as in slim images). Where it cannot run, a warning
-    says why and the norms keep PyTorch's backward."""
-    key = (device.type, device.index if device.index is not None else -1)
-    if key not in _AVAILABLE:
-        why = None if torch.version.hip is None else "ROCm"
-        if why is None:
-            why = _self_test(device)
-            if why is not None:
+    8.0 or later (what Triton supports: on older GPUs its bf16 conversions may not compile), and the
+    kernel compiled, launched (through Triton's JIT, then directly) and checked against float64 on
+    a small input there (:func:`_self_test`): Triton may import and still fail at its first launch
+    (no C compiler to build its launcher, as in slim images). Where it cannot run, a warning says
+    why and the norms keep PyTorch's backward. Asked where the self-test could not speak for the
+    device -- inside a ``torch.func`` transform, a Python dispatch mode (``FakeTensorMode``) or a
+    CUDA graph capture -- the answer is no for that call, and the question stays open."""
+    index = device.index
+    if index is None:  # (the current GPU; -1 off CUDA)
+        index = torch.cuda.current_device() if device.type == "cuda" else -1
+    key = (device.type, index)
+    if key in _AVAILABLE:
+        return _AVAILABLE[key]
+    if _deferred():
+        return False
+    with _AVAILABLE_LOCK:  # (two threads asking at once: one self-test)
+        if key not in _AVAILABLE:
+            why = None if torch.version.hip is None else "ROCm"
+            if why is None:
+                why = _self_test(torch.device(device.type, index) if device.type == "cuda" else device)
+            _AVAILABLE[key] = why is None  # (before the warning: a warnings filter may raise it)
+            if why is not None and why != "ROCm":
                 warnings.warn(f"bigbatch: the one-pass LayerNorm backward cannot run on {device} ({why}); gradient "
                               f"caching uses PyTorch's LayerNorm backward there", RuntimeWarning, stacklevel=3)
-        _AVAILABLE[key] = why is None
     return _AVAILABLE[key]
 
 
+def _deferred() -> bool:
+    """A context in which a self-test would fail for reasons of its own: a ``torch.func`` transform
+    running, a Python dispatch mode (fake tensors, tracing) active, a CUDA graph being captured."""
+    return (functorch_active() or (_DISPATCH_MODES is not None and _DISPATCH_MODES() > 0)
+            or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()))
+
+
 def _self_test(device: torch.device) -> Optional[str]:
-    """``None`` if the kernel runs on ``device`` and its three gradients of a 37 x 24 fp32 layer
-    norm match float64's; else why not. Touches no random state (its data come from a generator of
-    its own); the same whatever the caller's modes (inference mode, no grad, autocast, a default
-    device)."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (7, 0):
-        return f"compute capability {torch.cuda.get_device_capability(device)}, below Triton's 7.0"
+    """``None`` if the kernel runs on ``device`` -- launched twice: through Triton's JIT, then its
+    compiled runner (``norm_kernel.launch``) -- and its three gradients of a 37 x 24 fp32 layer norm
+    match float64's closed form; else why not. Touches no random state (its data come from a
+    generator of its own) and runs no autograd (no hook of the caller's sees it); the same in
+    inference mode, without grad, under autocast or another default device."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return f"compute capability {torch.cuda.get_device_capability(device)}, below 8.0"
     try:
-        with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False):
+        with torch.inference_mode(False), torch.no_grad():
             g = torch.Generator().manual_seed(0)  # (device="cpu" below: whatever the default device)
             x, dy = (torch.randn(37, 24, generator=g, dtype=torch.float64, device="cpu") for _ in range(2))
-            w, b = (torch.randn(24, generator=g, dtype=torch.float64, device="cpu") for _ in range(2))
+            w = torch.randn(24, generator=g, dtype=torch.float64, device="cpu")
+            want = _reference_grads(x, dy, w, 1e-5)
             on = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-            with on:  # (Triton launches on the current device)
-                got = _kernel().layer_norm_backward(x.float().to(device), dy.float().to(device),
-                                                    w.float().to(device), 1e-5, True, True, True)
-            leaves = [t.clone().requires_grad_() for t in (x, w, b)]
-            want = torch.autograd.grad(F.layer_norm(leaves[0], (24,), leaves[1], leaves[2], 1e-5), leaves, dy)
-        if not all(torch.allclose(a.double().cpu(), r, rtol=1e-4, atol=1e-5) for a, r in zip(got, want)):
-            return "its gradients of a test input differ from float64's"
+            for _ in range(2):
+                with on:  # (Triton launches on the current device)
+                    got = _kernel().layer_norm_backward(x.float().to(device), dy.float().to(device),
+                                                        w.float().to(device), 1e-5, True, True, True)
+                if not all(torch.allclose(a.double().cpu(), r, rtol=1e-4, atol=1e-5) for a, r in zip(got, want)):
+                    return "its gradients of a test input differ from float64's"
     except Exception as exc:  # noqa: BLE001 -- any failure to compile or launch: the norm is not swapped
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def _reference_grads(x: Tensor, dy: Tensor, w: Tensor, eps: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """LayerNorm's gradients over the last dimension of ``x`` (dx, dw, db), in closed form."""
+    n = x.shape[-1]
+    mean = x.mean(-1, keepdim=True)
+    rstd = ((x - mean).square().mean(-1, keepdim=True) + eps).rsqrt()
+    xhat = (x - mean) * rstd
+    wdy = dy * w
+    dx = rstd * (wdy - wdy.sum(-1, keepdim=True) / n - xhat * (wdy * xhat).sum(-1, keepdim=True) / n)
+    return dx, (dy * xhat).sum(0), dy.sum(0)
 
 
 def model_norms(model: nn.Module) -> List[nn.LayerNorm]:
