@@ -28,7 +28,7 @@ from bigbatch.bench.gradcache import DualEncoder, _rep
 from bigbatch.gradcache import GradCache
 
 from gradcache_fused_ab import full_step
-from gradcache_idle_probe import trace_events
+from gradcache_idle_probe import device_intervals, trace_events
 
 PHASES = ("bb_encode", "bb_backprop", "bb_loss")
 
@@ -70,8 +70,8 @@ def op_ancestry(events):
 
 def trace(fn):
     events, _ = trace_events(fn, cpu=True)
-    dev = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"][:70], e.get("args", {}).get("External id"))
-                 for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    dev = [(a, b, name, e.get("args", {}).get("External id"))
+           for a, b, name, e in device_intervals(events, lambda e: e["name"][:70])]
     ancestry = op_ancestry(events)
     ranges = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in events
               if e.get("ph") == "X" and e.get("name") in PHASES]

@@ -75,14 +75,20 @@ def trace_events(fn, cpu: bool = False) -> list:
     return events, wall
 
 
+def device_intervals(events: list, name=lambda e: e["name"]) -> list:
+    """The trace's device intervals (kernels, copies, memsets) as sorted ``(start, end, name(event),
+    event)``, in microseconds."""
+    return sorted(((float(e["ts"]), float(e["ts"]) + float(e["dur"]), name(e), e) for e in events
+                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda r: r[:2])
+
+
 def busy(fn):
     """Wall time and GPU busy time (union of device intervals) of one call, CUDA-only trace."""
     events, wall = trace_events(fn)
     iv, per = [], collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
-            iv.append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
-            per[e["name"][:90]] += float(e["dur"]) / 1e3
+    for a, b, name, _ in device_intervals(events, lambda e: e["name"][:90]):
+        iv.append((a, b))
+        per[name] += (b - a) / 1e3
     iv.sort()
     union, end = 0.0, None
     for a, b in iv:

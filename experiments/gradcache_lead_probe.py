@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gradcache_fused_ab import full_step  # noqa: E402
-from gradcache_idle_probe import steps, syncs, trace_events  # noqa: E402
+from gradcache_idle_probe import device_intervals, steps, syncs, trace_events  # noqa: E402
 from gradcache_switch_ab import ARMS  # noqa: E402
 
 from bigbatch.bench.common import hardware  # noqa: E402
@@ -111,11 +111,10 @@ def gaps(step, min_us: float = 5.0) -> dict:
             name = name.replace(junk, "")
         return name[:64]
 
-    iv = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), short(e["name"])) for e in events
-                if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    iv = device_intervals(events, lambda e: short(e["name"]))
     pairs: Dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
     found, end, last = [], iv[0][1], iv[0][2]
-    for a, b, name in iv[1:]:
+    for a, b, name, _ in iv[1:]:
         if a - end >= min_us:
             key = f"{last} -> {name}"
             pairs[key][0] += 1

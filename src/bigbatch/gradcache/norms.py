@@ -190,6 +190,8 @@ def kernel_available(device: torch.device) -> bool:
     why and the norms keep PyTorch's backward. Asked where the self-test could not speak for the
     device -- inside a ``torch.func`` transform, a Python dispatch mode (``FakeTensorMode``) or a
     CUDA graph capture -- the answer is no for that call, and the question stays open."""
+    if torch.version.hip is not None:
+        return False
     index = device.index
     if index is None:  # (the current GPU; -1 off CUDA)
         index = torch.cuda.current_device() if device.type == "cuda" else -1
@@ -200,11 +202,9 @@ def kernel_available(device: torch.device) -> bool:
         return False
     with _AVAILABLE_LOCK:  # (two threads asking at once: one self-test)
         if key not in _AVAILABLE:
-            why = None if torch.version.hip is None else "ROCm"
-            if why is None:
-                why = _self_test(torch.device(device.type, index) if device.type == "cuda" else device)
+            why = _self_test(torch.device(device.type, index) if device.type == "cuda" else device)
             _AVAILABLE[key] = why is None  # (before the warning: a warnings filter may raise it)
-            if why is not None and why != "ROCm":
+            if why is not None:
                 warnings.warn(f"bigbatch: the one-pass LayerNorm backward cannot run on {device} ({why}); gradient "
                               f"caching uses PyTorch's LayerNorm backward there", RuntimeWarning, stacklevel=3)
     return _AVAILABLE[key]
@@ -223,8 +223,9 @@ def _self_test(device: torch.device) -> Optional[str]:
     match float64's closed form; else why not. Touches no random state (its data come from a
     generator of its own) and runs no autograd (no hook of the caller's sees it); the same in
     inference mode, without grad, under autocast or another default device."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
-        return f"compute capability {torch.cuda.get_device_capability(device)}, below 8.0"
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if capability is not None and capability < (8, 0):
+        return f"compute capability {capability}, below 8.0"
     try:
         with torch.inference_mode(False), torch.no_grad():
             g = torch.Generator().manual_seed(0)  # (device="cpu" below: whatever the default device)
